@@ -1,0 +1,238 @@
+"""One engine rank's connection to the node's sidecar.
+
+The client claims a slot in the control segment (CAS), sends ``attach`` and then
+issues requests through its submit ring and reads completions from its
+completion ring.  Every wait has a deadline; while waiting it checks that the
+sidecar process is still the one it attached to (a pidfd, so PID reuse cannot
+fool it, plus the header's generation and state), and raises
+:class:`SidecarUnavailable` within ~``liveness_slice_s`` of the sidecar's death.
+
+A client is used by one thread at a time (an engine rank's scheduler thread);
+it is not thread-safe.  It must not be shared across ``fork``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import select
+import time
+
+from shm import protocol
+from shm.control import STATE_READY, ControlSegment, process_start_ticks
+from shm.errors import (
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    SegmentError,
+    SidecarBusy,
+    SidecarUnavailable,
+)
+from shm.segment import Segment
+
+log = logging.getLogger(__name__)
+
+
+class SidecarClient:
+    def __init__(self, instance: str = "kvsidecar", *, group: str = "engine", rank: int = 0,
+                 group_size: int = 1, layout: dict | None = None, timeout_s: float = 5.0,
+                 spin_s: float = 100e-6, liveness_slice_s: float = 0.01,
+                 limits: protocol.Limits = protocol.DEFAULT_LIMITS):
+        self.instance = instance
+        self.group = group
+        self.rank = rank
+        self.group_size = group_size
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.spin_s = spin_s
+        self.liveness_slice_s = liveness_slice_s
+        self.limits = limits
+        self._ids = itertools.count(1)
+        self._pending: dict[int, dict] = {}  # completions read ahead of their waiter
+        self._segment: Segment | None = None
+        self._ctl: ControlSegment | None = None
+        self._pidfd: int | None = None
+        self.slot: int | None = None
+        self.generation: int | None = None
+        self.attach_info: dict = {}
+        self._broken: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def attach(self) -> dict:
+        """Claim a slot and attach.  Raises SidecarUnavailable when no sidecar serves ``instance``."""
+        self.close()
+        try:
+            seg = Segment.attach(f"/{self.instance}.ctl")
+        except SegmentError as exc:
+            raise SidecarUnavailable(f"no sidecar {self.instance!r}: {exc}") from None
+        try:
+            ctl = ControlSegment(seg)
+        except SegmentError as exc:
+            seg.close()
+            raise SidecarUnavailable(str(exc)) from None
+        if ctl.protocol_version != protocol.PROTOCOL_VERSION:
+            seg.close()
+            raise SidecarUnavailable(
+                f"sidecar speaks protocol {ctl.protocol_version}, client {protocol.PROTOCOL_VERSION}")
+        pid, start = ctl.sidecar_pid, ctl.sidecar_start_ticks
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            seg.close()
+            raise SidecarUnavailable(f"sidecar pid {pid} is not running (stale segment)") from None
+        if process_start_ticks(pid) != start or ctl.state != STATE_READY:
+            os.close(pidfd)
+            seg.close()
+            raise SidecarUnavailable("sidecar is not ready (stale segment or starting up)")
+        self._segment, self._ctl, self._pidfd = seg, ctl, pidfd
+        self.generation = ctl.generation
+        self._broken = None
+        me = os.getpid()
+        my_start = process_start_ticks(me)
+        for i in range(ctl.num_slots):
+            if ctl.try_claim(i, me, my_start):
+                self.slot = i
+                break
+        else:
+            self.close()
+            raise SidecarBusy(f"all {ctl.num_slots} client slots of {self.instance!r} are taken")
+        self._submit = ctl.submit_producer(self.slot)
+        self._completions = ctl.completion_consumer(self.slot)
+        self._doorbell = ctl.client_doorbell(self.slot)
+        ctl.bump_slot_epoch()
+        try:
+            self.attach_info = self.call(
+                "attach", instance=self.instance, group=self.group, rank=self.rank,
+                group_size=self.group_size, pid=me, start=my_start, layout=self.layout)
+        except BaseException:
+            self.close()
+            raise
+        return self.attach_info
+
+    def detach(self, timeout_s: float = 1.0) -> None:
+        """Tell the sidecar we leave (it releases what we held), then unmap."""
+        if self._ctl is None:
+            return
+        try:
+            if self._broken is None:
+                self.call("detach", timeout_s=timeout_s)
+                self._ctl.sidecar_doorbell.ring()  # completion consumed: the slot can be reset
+        except (SidecarUnavailable, RequestTimeout, RemoteError, SidecarBusy):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Unmap without telling the sidecar (it reclaims the slot when this process exits)."""
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._segment is not None:
+            self._submit = self._completions = self._doorbell = None
+            self._ctl = None
+            self._segment.close()
+            self._segment = None
+        self.slot = None
+        self._pending.clear()
+
+    @property
+    def attached(self) -> bool:
+        return self._ctl is not None and self._broken is None
+
+    def __enter__(self):
+        if not self.attached:
+            self.attach()
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+    # -- requests ----------------------------------------------------------------------------
+    def call(self, op: str, *, timeout_s: float | None = None, **fields) -> dict:
+        """Send one request and wait for its completion; raises RemoteError on an error reply."""
+        rid = self.send(op, timeout_s=timeout_s, **fields)
+        reply = self.wait(rid, timeout_s=timeout_s)
+        if not reply["ok"]:
+            raise RemoteError(reply.get("err", 0), reply.get("msg", ""), op)
+        return reply
+
+    def send(self, op: str, *, timeout_s: float | None = None, **fields) -> int:
+        """Queue one request; returns its id.  Waits (bounded) while the submit ring is full."""
+        msg = {"v": protocol.PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
+        for k, v in fields.items():
+            if v is not None:
+                msg[k] = v
+        self.send_raw(protocol.encode(msg, self.limits), timeout_s)
+        return msg["id"]
+
+    def send_raw(self, frame: bytes, timeout_s: float | None = None) -> None:
+        """Put an already encoded frame in the submit ring (tests use this for bad input)."""
+        self._check_alive()
+        if not self._submit.try_push(frame):
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+            while not self._submit.try_push(frame):
+                self._drain_completions()
+                if self._submit.mark_waiting():
+                    continue
+                self._ctl.sidecar_doorbell.ring()
+                self._sleep_until(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline,
+                                  busy=True)
+        self._ctl.sidecar_doorbell.ring()
+
+    def wait(self, rid: int, timeout_s: float | None = None) -> dict:
+        """Wait for the completion of request ``rid``."""
+        reply = self._pending.pop(rid, None)
+        if reply is not None:
+            return reply
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            self._drain_completions()
+            reply = self._pending.pop(rid, None)
+            if reply is not None:
+                return reply
+            self._sleep_until(self._completions.has_data, deadline)
+
+    def poll_completions(self) -> list[dict]:
+        """Non-blocking: every completion that arrived (and any read ahead)."""
+        self._drain_completions()
+        out = list(self._pending.values())
+        self._pending.clear()
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+    def _drain_completions(self) -> None:
+        frames = self._completions.pop_batch(256)
+        if not frames:
+            return
+        if self._completions.producer_waiting():
+            self._ctl.sidecar_doorbell.ring()  # the sidecar has completions waiting for space
+        for data in frames:
+            try:
+                reply = protocol.decode_completion(data, self.limits)
+            except ProtocolError as exc:
+                log.error("undecodable completion from sidecar: %s", exc)
+                continue
+            self._pending[reply["id"]] = reply
+
+    def _sleep_until(self, ready, deadline: float, busy: bool = False) -> None:
+        """One bounded wait on our doorbell; raises when the sidecar died or the deadline passed."""
+        self._check_alive()
+        now = time.monotonic()
+        if now >= deadline:
+            if busy:
+                raise SidecarBusy("submit ring full until the deadline")
+            raise RequestTimeout("no completion before the deadline")
+        self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s)
+
+    def _check_alive(self) -> None:
+        if self._broken is not None:
+            raise SidecarUnavailable(self._broken)
+        if self._ctl is None:
+            raise SidecarUnavailable("not attached")
+        if select.select([self._pidfd], [], [], 0)[0]:
+            self._broken = f"sidecar (generation {self.generation}) died"
+        elif self._ctl.state != STATE_READY or self._ctl.generation != self.generation:
+            self._broken = f"sidecar (generation {self.generation}) is stopping or was replaced"
+        if self._broken is not None:
+            raise SidecarUnavailable(self._broken)

@@ -1,0 +1,77 @@
+"""Exception types every caller can catch, and the wire error codes they map to."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    """Codes carried in the ``err`` field of an error completion."""
+
+    MALFORMED = 1  # not a msgpack map, or a field of the wrong type
+    BAD_VERSION = 2  # protocol version the sidecar does not speak
+    UNKNOWN_OP = 3
+    TOO_LARGE = 4  # frame, chain or string over its bound
+    BAD_FIELD = 5  # a field present but out of range / inconsistent
+    NOT_ATTACHED = 6  # op before a successful attach on this slot
+    LAYOUT_MISMATCH = 7
+    UNKNOWN_ID = 8  # unknown lease / staging / session id
+    NOT_OWNER = 9  # a client acting on something another client owns
+    LIMIT = 10  # a reserved / pinned byte limit or pool capacity refused it
+    BUSY = 11
+    SHUTTING_DOWN = 12
+    INTERNAL = 13
+    L3_ERROR = 14
+
+
+class KvSidecarError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class SidecarUnavailable(KvSidecarError):
+    """The sidecar is absent, dead, or restarted under a new generation.
+
+    The engine treats this as a miss and recomputes; a connector can re-attach.
+    """
+
+
+class SidecarBusy(KvSidecarError):
+    """Back-pressure did not clear before the caller's deadline (full ring)."""
+
+
+class SegmentError(KvSidecarError):
+    """A shared-memory segment is missing, malformed, or of the wrong version."""
+
+
+class ProtocolError(KvSidecarError):
+    """A frame failed to decode or validate.  ``code`` is an :class:`ErrorCode`."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RemoteError(KvSidecarError):
+    """The sidecar answered a request with an error completion."""
+
+    def __init__(self, code: int, message: str, op: str = ""):
+        try:
+            name = ErrorCode(code).name
+        except ValueError:
+            name = f"E{code}"
+        super().__init__(f"{op + ': ' if op else ''}{name}: {message}")
+        self.code = code
+        self.message = message
+        self.op = op
+
+    @property
+    def code_name(self) -> str:
+        try:
+            return ErrorCode(self.code).name
+        except ValueError:
+            return f"E{self.code}"
+
+
+class RequestTimeout(KvSidecarError):
+    """A live sidecar did not answer within the caller's deadline."""

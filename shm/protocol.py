@@ -1,0 +1,194 @@
+"""The wire protocol: versioned msgpack maps with bounded, validated fields.
+
+Every request is a map with ``v`` (``PROTOCOL_VERSION``), ``op``, ``id`` (the
+client's sequence number) and the op's fields.  Every completion echoes ``id``
+and carries ``ok: true`` plus result fields, or ``ok: false``, ``err`` (an
+:class:`~shm.errors.ErrorCode`) and ``msg``.  Hash chains travel as one bytes
+blob of ``KEY_BYTES × n``.
+
+Decoding never trusts the peer: msgpack's own length limits stop huge
+containers before they are built, then every field is type- and range-checked
+against the op's schema.  A failure raises :class:`~shm.errors.ProtocolError`
+carrying the request id when it could be read, so the sidecar can answer it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from .errors import ErrorCode, ProtocolError
+
+PROTOCOL_VERSION = 1
+KEY_BYTES = 16
+_MAX_ID = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds enforced on decode (both directions)."""
+
+    max_frame_bytes: int = 256 * 1024
+    max_blocks: int = 8192  # per request: 8192 × 16 B = 128 KiB of chain
+    max_str: int = 256
+    max_map: int = 64
+    max_list: int = 8192
+
+
+DEFAULT_LIMITS = Limits()
+
+# Field kinds.
+INT, SINT, FLOAT, BOOL, STR, BYTES, CHAIN, MAP, INTLIST = range(9)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSchema:
+    required: dict
+    optional: dict = dataclasses.field(default_factory=dict)
+
+
+_TP = {"group": STR, "req": STR, "attempt": INT, "step": INT}
+
+OP_SCHEMAS: dict[str, OpSchema] = {
+    "attach": OpSchema(
+        {"instance": STR, "group": STR, "rank": INT, "group_size": INT, "pid": INT, "start": INT},
+        {"layout": MAP},
+    ),
+    "detach": OpSchema({}),
+    "ping": OpSchema({}, {"payload": BYTES}),
+    "stats": OpSchema({}),
+    "lookup": OpSchema({"chain": CHAIN}, {"ns": STR, **_TP}),
+    "get": OpSchema({"chain": CHAIN}, {"ns": STR, "max_blocks": INT, **_TP}),
+    "release": OpSchema({"lease": INT}),
+    "store": OpSchema({"chain": CHAIN}, {"ns": STR, "l3": BOOL, **_TP}),
+    "commit": OpSchema({"staging": INT}, {"ok": BOOL}),
+    "prefetch": OpSchema(
+        {"req": STR, "chain": CHAIN},
+        {"ns": STR, "attempt": INT, "policy": STR, "timeout_s": FLOAT, "chunk_max_blocks": INT,
+         "tokens": INT, "checkpoints": INTLIST, "checkpoint_every": INT, "group": STR, "step": INT},
+    ),
+    "demand": OpSchema({"req": STR}, {"attempt": INT}),
+    "abort": OpSchema({"req": STR}, {"attempt": INT}),
+    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT}),
+}
+
+
+def _unpacker_limits(limits: Limits) -> dict:
+    return dict(
+        max_str_len=limits.max_str * 4,
+        max_bin_len=max(limits.max_blocks * KEY_BYTES, limits.max_frame_bytes),
+        max_array_len=limits.max_list,
+        max_map_len=limits.max_map,
+        max_ext_len=0,
+    )
+
+
+def encode(msg: dict, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Pack a request or completion; refuses frames over ``max_frame_bytes``."""
+    data = msgpack.packb(msg, use_bin_type=True)
+    if len(data) > limits.max_frame_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes over {limits.max_frame_bytes}")
+    return data
+
+
+def _check(name: str, kind: int, value: Any, limits: Limits) -> None:
+    t = type(value)
+    if kind == INT:
+        if t is not int or value < 0 or value > _MAX_ID:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a non-negative int")
+    elif kind == SINT:
+        if t is not int:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be an int")
+    elif kind == FLOAT:
+        if t is not float and t is not int:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a number")
+        if not (value >= 0) or value > 1e9:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} out of range")
+    elif kind == BOOL:
+        if t is not bool:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a bool")
+    elif kind == STR:
+        if t is not str:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a string")
+        if len(value) > limits.max_str:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r} longer than {limits.max_str}")
+    elif kind == BYTES:
+        if t is not bytes:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be bytes")
+    elif kind == CHAIN:
+        if t is not bytes:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a bytes blob")
+        if len(value) % KEY_BYTES:
+            raise ProtocolError(ErrorCode.MALFORMED, f"chain length {len(value)} is not a multiple of {KEY_BYTES}")
+        if len(value) > limits.max_blocks * KEY_BYTES:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"chain of {len(value) // KEY_BYTES} blocks over {limits.max_blocks}")
+    elif kind == MAP:
+        if t is not dict:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a map")
+    elif kind == INTLIST:
+        if t is not list or any(type(x) is not int or x < 0 for x in value):
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a list of non-negative ints")
+        if len(value) > limits.max_blocks:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r} longer than {limits.max_blocks}")
+
+
+def decode_request(data, limits: Limits = DEFAULT_LIMITS) -> dict:
+    """Decode and validate one request frame; returns the map.
+
+    Raises ProtocolError whose ``request_id`` attribute is the ``id`` when it
+    could be read (else ``None``).
+    """
+    if len(data) > limits.max_frame_bytes:
+        raise _err(ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes over {limits.max_frame_bytes}", None)
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, **_unpacker_limits(limits))
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        code = ErrorCode.TOO_LARGE if "exceeds max" in str(exc) else ErrorCode.MALFORMED
+        raise _err(code, f"undecodable frame: {exc}", None) from None
+    if type(msg) is not dict:
+        raise _err(ErrorCode.MALFORMED, "request is not a map", None)
+    rid = msg.get("id")
+    if type(rid) is not int or rid < 0 or rid > _MAX_ID:
+        raise _err(ErrorCode.MALFORMED, "missing or invalid id", None)
+    v = msg.get("v")
+    if v != PROTOCOL_VERSION:
+        raise _err(ErrorCode.BAD_VERSION, f"protocol version {v!r}, sidecar speaks {PROTOCOL_VERSION}", rid)
+    op = msg.get("op")
+    schema = OP_SCHEMAS.get(op) if type(op) is str else None
+    if schema is None:
+        raise _err(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}"[:200], rid)
+    try:
+        for name, kind in schema.required.items():
+            if name not in msg:
+                raise ProtocolError(ErrorCode.MALFORMED, f"{op}: missing field {name!r}")
+            _check(name, kind, msg[name], limits)
+        for name, kind in schema.optional.items():
+            if name in msg and msg[name] is not None:
+                _check(name, kind, msg[name], limits)
+    except ProtocolError as exc:
+        exc.request_id = rid
+        raise
+    return msg
+
+
+def decode_completion(data, limits: Limits = DEFAULT_LIMITS) -> dict:
+    """Decode a completion (sidecar → client); shape-checked, not schema-checked."""
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, **_unpacker_limits(limits))
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"undecodable completion: {exc}") from None
+    if type(msg) is not dict or type(msg.get("id")) is not int or type(msg.get("ok")) is not bool:
+        raise ProtocolError(ErrorCode.MALFORMED, "completion lacks id/ok")
+    return msg
+
+
+def error_completion(rid, code: ErrorCode, message: str) -> dict:
+    return {"id": rid if rid is not None else -1, "ok": False, "err": int(code), "msg": message[:500]}
+
+
+def _err(code: ErrorCode, message: str, rid) -> ProtocolError:
+    exc = ProtocolError(code, message)
+    exc.request_id = rid
+    return exc

@@ -1,0 +1,147 @@
+"""Named POSIX shared-memory segments with explicit ownership.
+
+* The **owner** creates a segment (mode 0600, exclusive) and is the only one
+  that unlinks it, exactly once (``unlink`` is idempotent on the object).
+* **Attachers** map an existing segment by name, read-write or read-only.
+* ``address`` is the base address of the mapping, for the native atomics and
+  copies.  The mapping stays valid until ``close``; callers must not use
+  addresses after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import posix_ipc
+
+from native.atomics import buffer_address
+
+from .errors import SegmentError
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+
+
+def _posix_name(name: str) -> str:
+    return name if name.startswith("/") else "/" + name
+
+
+def segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, _posix_name(name)[1:]))
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove a (possibly stale) segment by name; False when it did not exist."""
+    try:
+        posix_ipc.unlink_shared_memory(_posix_name(name))
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+class Segment:
+    """One mapped shared-memory segment."""
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, readonly: bool):
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self.readonly = readonly
+        self._mm = mm
+        self._unlinked = False
+        # The memoryview is an export of the mmap: while it lives the mapping
+        # cannot be closed under an address handed out below.
+        self._view = memoryview(mm)
+        self.address = buffer_address(self._view)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, size: int, *, replace_stale: bool = False) -> "Segment":
+        """Create (exclusively) and map a new segment of ``size`` bytes, mode 0600."""
+        if size <= 0:
+            raise SegmentError(f"segment {name}: size must be positive")
+        pname = _posix_name(name)
+        if replace_stale and unlink_segment(pname):
+            log.warning("replaced stale segment %s", pname)
+        try:
+            shm = posix_ipc.SharedMemory(pname, posix_ipc.O_CREX, mode=0o600, size=size)
+        except posix_ipc.ExistentialError as exc:
+            raise SegmentError(f"segment {pname} already exists") from exc
+        try:
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, size, mm, owner=True, readonly=False)
+
+    @classmethod
+    def attach(cls, name: str, *, readonly: bool = False) -> "Segment":
+        """Map an existing segment by name."""
+        pname = _posix_name(name)
+        flags = 0
+        try:
+            shm = posix_ipc.SharedMemory(pname, flags, read_only=readonly)
+        except posix_ipc.ExistentialError as exc:
+            raise SegmentError(f"segment {pname} does not exist") from exc
+        try:
+            size = shm.size
+            if size <= 0:
+                raise SegmentError(f"segment {pname} is empty")
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            mm = mmap.mmap(shm.fd, size, prot=prot)
+        finally:
+            shm.close_fd()
+        return cls(name, size, mm, owner=False, readonly=readonly)
+
+    # -- access -------------------------------------------------------------------------------
+    @property
+    def view(self) -> memoryview:
+        return self._view
+
+    @property
+    def mmap(self) -> mmap.mmap:
+        return self._mm
+
+    def prefault(self, progress=None, chunk: int = 64 << 20) -> None:
+        """Touch every page so first use does not pay the fault cost.
+
+        ``progress(done_bytes, total_bytes)`` is called after each chunk.
+        """
+        if self.readonly:
+            raise SegmentError("cannot prefault a read-only mapping")
+        zero = bytes(chunk)
+        done = 0
+        while done < self.size:
+            n = min(chunk, self.size - done)
+            self._mm[done : done + n] = zero[:n]
+            done += n
+            if progress is not None:
+                progress(done, self.size)
+
+    def close(self) -> None:
+        """Drop the mapping (idempotent).  The owner should ``unlink`` first or after."""
+        if self._mm is None:
+            return
+        self._view.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            log.warning("segment %s still has exported buffers; leaving it mapped", self.name)
+            return
+        self._mm = None
+
+    def unlink(self) -> None:
+        """Remove the name (owner only, exactly once; later calls are no-ops)."""
+        if not self.owner:
+            raise SegmentError("only the owner unlinks a segment")
+        if not self._unlinked:
+            self._unlinked = True
+            unlink_segment(self.name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

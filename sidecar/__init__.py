@@ -1,0 +1,1 @@
+"""The per-node kvsidecar process: control loop, pool, index, leases, sessions, L3 workers."""

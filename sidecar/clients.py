@@ -1,0 +1,67 @@
+"""Per-slot client connections, owned by the control thread.
+
+A :class:`ClientConn` is the sidecar's end of one slot: it consumes the submit
+ring, produces into the completion ring, and keeps an **outbox** of completions
+that did not fit.  While the outbox is non-empty the control thread stops
+reading that client's submissions (back-pressure, never a drop) and asks the
+client, through the ring's ``waiting`` flag, to ring the sidecar when it frees
+space.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+from shm import protocol
+from shm.control import ControlSegment
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ClientInfo:
+    group: str
+    rank: int
+    group_size: int
+    pid: int
+
+
+class ClientConn:
+    def __init__(self, ctl: ControlSegment, slot: int, pid: int, max_frame: int, token: int):
+        self.slot = slot
+        self.pid = pid
+        self.token = token  # distinguishes incarnations of the same slot
+        self.submit = ctl.submit_consumer(slot, max_frame)
+        self.completion = ctl.completion_producer(slot)
+        self.doorbell = ctl.client_doorbell(slot)
+        self.outbox: collections.deque = collections.deque()
+        self.info: ClientInfo | None = None
+        self.detaching = False
+        self.requests = 0
+        self.errors = 0
+
+    @property
+    def attached(self) -> bool:
+        return self.info is not None
+
+    def send(self, completion: dict) -> None:
+        """Queue a completion; it goes straight into the ring unless an outbox backlog exists."""
+        data = protocol.encode(completion)
+        if self.outbox or not self.completion.try_push(data):
+            self.outbox.append(data)
+
+    def flush_outbox(self) -> bool:
+        """Move queued completions into the ring; True when the outbox is empty afterwards."""
+        while self.outbox:
+            if not self.completion.try_push(self.outbox[0]):
+                if self.completion.mark_waiting() and self.completion.try_push(self.outbox[0]):
+                    self.outbox.popleft()
+                    continue
+                return False
+            self.outbox.popleft()
+        return True
+
+    def completions_drained(self) -> bool:
+        return not self.outbox and self.completion.depth() == 0

@@ -1,0 +1,111 @@
+"""Typed sidecar configuration: dataclasses loaded from TOML, overridden by flags.
+
+Nothing here reads the environment; the launcher decides what to pass in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration file or flag has an unknown key or a value of the wrong type."""
+
+
+@dataclasses.dataclass
+class TransportConfig:
+    num_slots: int = 16
+    ring_bytes: int = 1 << 20
+    sidecar_spin_us: float = 200.0  # spin this long after the last work before sleeping
+    max_frame_bytes: int = 256 * 1024
+    max_blocks_per_request: int = 8192
+    stats_interval_ms: float = 100.0
+
+
+@dataclasses.dataclass
+class SidecarConfig:
+    instance: str = "kvsidecar"
+    run_dir: str = "/tmp/kvsidecar"  # ready marker and logs
+    transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
+
+    def validate(self) -> None:
+        t = self.transport
+        if not 1 <= t.num_slots <= 1024:
+            raise ConfigError("transport.num_slots must be in 1..1024")
+        if t.ring_bytes & (t.ring_bytes - 1) or t.ring_bytes < 4096:
+            raise ConfigError("transport.ring_bytes must be a power of two >= 4096")
+        if t.max_frame_bytes > t.ring_bytes // 2 - 8:
+            raise ConfigError("transport.max_frame_bytes must fit in half a ring")
+        if not self.instance or len(self.instance) > 40 or "/" in self.instance:
+            raise ConfigError("instance must be 1..40 characters without '/'")
+
+    @property
+    def control_name(self) -> str:
+        return f"/{self.instance}.ctl"
+
+    @property
+    def pool_name(self) -> str:
+        return f"/{self.instance}.pool"
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a table")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(f"{where}: unknown key {key!r}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{where}.{key}")
+            continue
+        kwargs[key] = _coerce(hint, value, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _coerce(hint, value, where: str):
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool):
+        if type(value) is not hint:
+            raise ConfigError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list")
+        return list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table")
+        return dict(value)
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> SidecarConfig:
+    """Load TOML (optional) then apply dotted ``overrides`` like ``{"transport.num_slots": 8}``."""
+    data: dict = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        node = data
+        parts = dotted.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    cfg = _build(SidecarConfig, data, "config")
+    cfg.validate()
+    return cfg

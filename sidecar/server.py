@@ -1,0 +1,351 @@
+"""The sidecar's control thread: the single owner of all mutable state.
+
+Everything that changes pool, index, leases, sessions or clients runs here, so
+none of it needs locks.  Other threads (liveness monitor, L3 workers) hand work
+in through :meth:`Sidecar.post` (a deque plus a doorbell ring) and never touch
+state directly.
+
+The loop: serve every active client's submit ring, run posted events, rescan the
+slot table when a client bumped the epoch; when there is nothing to do, spin
+briefly, then sleep on the sidecar doorbell until a client or worker rings it or
+the next timer (``timers`` below) is due.  No periodic polling when idle.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import os
+import time
+
+from shm import protocol
+from shm.control import (
+    SLOT_ACTIVE,
+    SLOT_CLAIMED,
+    SLOT_FREE,
+    STATE_READY,
+    STATE_STOPPING,
+    ControlSegment,
+)
+from shm.errors import ErrorCode, ProtocolError
+from shm.ring import RingCorrupted
+
+from .clients import ClientConn, ClientInfo
+from .config import SidecarConfig
+from .liveness import LivenessMonitor
+
+log = logging.getLogger(__name__)
+
+MAX_IDLE_SLEEP_S = 30.0  # bound on any sleep, even with no timers at all
+
+
+class OpError(Exception):
+    """Raised by an op handler to answer with an error completion."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Sidecar:
+    """Control loop over one control segment.  Subsystems register ops and hooks."""
+
+    def __init__(self, cfg: SidecarConfig, ctl: ControlSegment, layout: dict | None = None):
+        self.cfg = cfg
+        self.ctl = ctl
+        self.layout = layout
+        self.limits = protocol.Limits(
+            max_frame_bytes=cfg.transport.max_frame_bytes,
+            max_blocks=cfg.transport.max_blocks_per_request,
+        )
+        self.doorbell = ctl.sidecar_doorbell
+        self.clients: dict[int, ClientConn] = {}
+        self.handlers: dict[str, object] = {
+            "attach": self._op_attach,
+            "detach": self._op_detach,
+            "ping": self._op_ping,
+            "stats": self._op_stats,
+        }
+        self.client_gone_hooks: list = []  # fn(conn) called when a client detaches or dies
+        self.stats_providers: list = []  # fn() -> dict merged into stats
+        self.counters: collections.Counter = collections.Counter()
+        self._events: collections.deque = collections.deque()
+        self._timers: list = []  # heap of (due, seq, fn)
+        self._timer_seq = itertools.count()
+        self._tokens = itertools.count(1)
+        self._epoch_seen = -1
+        self._running = False
+        self._stop_requested = False
+        self._stats_dirty = True
+        self._last_stats = 0.0
+        self.liveness = LivenessMonitor(self._on_client_dead)
+
+    # -- cross-thread entry points -----------------------------------------------------------
+    def post(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the control thread soon.  Safe from any thread."""
+        self._events.append((fn, args))
+        self.doorbell.ring()
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop (safe from signal handlers and other threads)."""
+        self._stop_requested = True
+        self.doorbell.ring()
+
+    # -- timers (control thread only) --------------------------------------------------------
+    def call_at(self, due: float, fn, *args) -> None:
+        heapq.heappush(self._timers, (due, next(self._timer_seq), fn, args))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        self.liveness.start()
+        self.ctl.set_state(STATE_READY)
+        self._running = True
+        spin_s = self.cfg.transport.sidecar_spin_us * 1e-6
+        stats_every = self.cfg.transport.stats_interval_ms * 1e-3
+        log.info("sidecar %s ready (generation %d)", self.cfg.instance, self.ctl.generation)
+        try:
+            while not self._stop_requested:
+                worked = self._step()
+                now = time.monotonic()
+                if worked:
+                    self._stats_dirty = True
+                    if now - self._last_stats >= stats_every:
+                        self._publish_stats(now)
+                    continue
+                if self._stats_dirty:
+                    self._publish_stats(now)
+                timeout = MAX_IDLE_SLEEP_S
+                if self._timers:
+                    timeout = max(0.0, min(timeout, self._timers[0][0] - now))
+                self.doorbell.wait(self._has_work, timeout, spin_s)
+        finally:
+            self.ctl.set_state(STATE_STOPPING)
+            self._running = False
+
+    def shutdown(self) -> None:
+        """Release every client's resources (after ``run`` returned)."""
+        for conn in list(self.clients.values()):
+            self._drop_client(conn, reason="shutdown", free_slot=False)
+        self.liveness.stop()
+        self._publish_stats(time.monotonic())
+
+    def _has_work(self) -> bool:
+        if self._events or self._stop_requested:
+            return True
+        if self.ctl.slot_epoch != self._epoch_seen:
+            return True
+        if self._timers and self._timers[0][0] <= time.monotonic():
+            return True
+        for conn in self.clients.values():
+            if conn.outbox:
+                if conn.completion.free_bytes() >= conn.completion.capacity // 2:
+                    return True
+            elif conn.submit.has_data():
+                return True
+            if conn.detaching and conn.completions_drained():
+                return True
+        return False
+
+    def _step(self) -> bool:
+        worked = False
+        epoch = self.ctl.slot_epoch
+        if epoch != self._epoch_seen:
+            self._epoch_seen = epoch
+            self._scan_slots()
+            worked = True
+        while self._events:
+            fn, args = self._events.popleft()
+            try:
+                fn(*args)
+            except Exception:  # a worker event must never kill the control thread
+                log.exception("event %r failed", fn)
+            worked = True
+        if self._timers:
+            now = time.monotonic()
+            while self._timers and self._timers[0][0] <= now:
+                _, _, fn, args = heapq.heappop(self._timers)
+                try:
+                    fn(*args)
+                except Exception:
+                    log.exception("timer %r failed", fn)
+                worked = True
+        for conn in list(self.clients.values()):
+            if self._serve(conn):
+                worked = True
+        return worked
+
+    # -- clients -----------------------------------------------------------------------------
+    def _scan_slots(self) -> None:
+        for i in range(self.ctl.num_slots):
+            pid, state = self.ctl.slot_state(i)
+            if state == SLOT_CLAIMED and i not in self.clients:
+                conn = ClientConn(self.ctl, i, pid, self.limits.max_frame_bytes, next(self._tokens))
+                self.clients[i] = conn
+                self.counters["clients_claimed"] += 1
+                if not self.liveness.watch((i, conn.token), pid, self.ctl.client_start_ticks(i)):
+                    self._drop_client(conn, reason="dead before attach")
+
+    def _on_client_dead(self, key) -> None:  # liveness thread
+        self.post(self._client_dead, key)
+
+    def _client_dead(self, key) -> None:
+        slot, token = key
+        conn = self.clients.get(slot)
+        if conn is not None and conn.token == token:
+            self.counters["clients_reclaimed"] += 1
+            self._drop_client(conn, reason="process died")
+
+    def _drop_client(self, conn: ClientConn, reason: str, free_slot: bool = True) -> None:
+        """Release everything ``conn`` held, reset its rings, free its slot.  Runs once per conn."""
+        if self.clients.get(conn.slot) is not conn:
+            return
+        del self.clients[conn.slot]
+        self.liveness.unwatch((conn.slot, conn.token))
+        for hook in self.client_gone_hooks:
+            try:
+                hook(conn)
+            except Exception:
+                log.exception("client-gone hook failed for slot %d", conn.slot)
+        log.info("client slot %d (pid %d) dropped: %s", conn.slot, conn.pid, reason)
+        conn.submit.reset()
+        conn.completion.reset()
+        if free_slot:
+            self.ctl.set_slot(conn.slot, 0, SLOT_FREE)
+        self._stats_dirty = True
+
+    def _serve(self, conn: ClientConn) -> bool:
+        """Handle a batch from one client; True if anything happened."""
+        worked = False
+        if conn.outbox:
+            if not conn.flush_outbox():
+                return False  # back-pressure: the client must drain completions first
+            worked = True
+        if conn.detaching:
+            if conn.completions_drained():
+                self._drop_client(conn, reason="detached")
+                return True
+            return worked
+        try:
+            frames = conn.submit.pop_batch(64)
+        except RingCorrupted as exc:
+            self.counters["errors_ring_corrupted"] += 1
+            log.warning("slot %d: %s; dropping the client", conn.slot, exc)
+            self._drop_client(conn, reason="corrupt ring")
+            return True
+        if not frames:
+            return worked
+        if conn.submit.producer_waiting():
+            conn.doorbell.ring()  # the client waits for space in its submit ring
+        for data in frames:
+            conn.send(self._handle(conn, data))
+            if conn.detaching:
+                break
+        if conn.outbox:
+            conn.flush_outbox()
+        conn.doorbell.ring()
+        return True
+
+    def _handle(self, conn: ClientConn, data: bytes) -> dict:
+        conn.requests += 1
+        self.counters["requests"] += 1
+        try:
+            msg = protocol.decode_request(data, self.limits)
+        except ProtocolError as exc:
+            return self._error(conn, exc.request_id, exc.code, exc.message)
+        op = msg["op"]
+        rid = msg["id"]
+        handler = self.handlers.get(op)
+        if handler is None:
+            return self._error(conn, rid, ErrorCode.UNKNOWN_OP, f"op {op!r} is not served by this sidecar")
+        if not conn.attached and op != "attach":
+            return self._error(conn, rid, ErrorCode.NOT_ATTACHED, f"{op} before attach")
+        self.counters[f"op_{op}"] += 1
+        try:
+            result = handler(conn, msg)
+        except OpError as exc:
+            return self._error(conn, rid, exc.code, exc.message)
+        except ProtocolError as exc:
+            return self._error(conn, rid, exc.code, exc.message)
+        except Exception as exc:  # a bug in a handler answers INTERNAL; the loop survives
+            log.exception("op %s failed", op)
+            return self._error(conn, rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        result["id"] = rid
+        result["ok"] = True
+        return result
+
+    def _error(self, conn: ClientConn, rid, code: ErrorCode, message: str) -> dict:
+        conn.errors += 1
+        self.counters["errors"] += 1
+        self.counters[f"errors_{code.name.lower()}"] += 1
+        return protocol.error_completion(rid, code, message)
+
+    # -- built-in ops ------------------------------------------------------------------------
+    def _op_attach(self, conn: ClientConn, msg: dict) -> dict:
+        if conn.attached:
+            raise OpError(ErrorCode.BAD_FIELD, "already attached")
+        if msg["instance"] != self.cfg.instance:
+            raise OpError(ErrorCode.BAD_FIELD, f"instance {msg['instance']!r} is not {self.cfg.instance!r}")
+        if msg["pid"] != conn.pid:
+            raise OpError(ErrorCode.NOT_OWNER, f"pid {msg['pid']} did not claim slot {conn.slot}")
+        if not 1 <= msg["group_size"] <= 1024 or msg["rank"] >= msg["group_size"]:
+            raise OpError(ErrorCode.BAD_FIELD, "rank must be < group_size <= 1024")
+        if self.layout is not None:
+            theirs = msg.get("layout")
+            if theirs is None:
+                raise OpError(ErrorCode.LAYOUT_MISMATCH, "attach carries no layout")
+            for key in sorted(set(self.layout) | set(theirs)):
+                if self.layout.get(key) != theirs.get(key):
+                    raise OpError(
+                        ErrorCode.LAYOUT_MISMATCH,
+                        f"layout field {key!r}: sidecar has {self.layout.get(key)!r}, client has {theirs.get(key)!r}",
+                    )
+        conn.info = ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"])
+        self.ctl.set_slot(conn.slot, conn.pid, SLOT_ACTIVE)
+        self.counters["attaches"] += 1
+        return {"slot": conn.slot, "generation": self.ctl.generation, "pool": self.ctl.pool_name,
+                "layout": self.layout or {}}
+
+    def _op_detach(self, conn: ClientConn, msg: dict) -> dict:
+        conn.detaching = True
+        self.counters["detaches"] += 1
+        return {}
+
+    def _op_ping(self, conn: ClientConn, msg: dict) -> dict:
+        payload = msg.get("payload")
+        return {"payload": payload} if payload is not None else {}
+
+    def _op_stats(self, conn: ClientConn, msg: dict) -> dict:
+        return {"stats": self.snapshot()}
+
+    # -- observability -----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        clients = []
+        for conn in self.clients.values():
+            info = conn.info
+            clients.append({
+                "slot": conn.slot, "pid": conn.pid, "attached": conn.attached,
+                "group": info.group if info else "", "rank": info.rank if info else -1,
+                "requests": conn.requests, "errors": conn.errors,
+                "outbox": len(conn.outbox), "detaching": conn.detaching,
+            })
+        snap = {
+            "instance": self.cfg.instance,
+            "generation": self.ctl.generation,
+            "pid": os.getpid(),
+            "clients": clients,
+            "counters": dict(self.counters),
+        }
+        for provider in self.stats_providers:
+            snap.update(provider())
+        return snap
+
+    def _publish_stats(self, now: float) -> None:
+        self._last_stats = now
+        self._stats_dirty = False
+        try:
+            self.ctl.write_stats(self.snapshot())
+        except Exception:
+            log.exception("publishing stats failed")
