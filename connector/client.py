@@ -29,6 +29,7 @@ from shm.errors import (
     SidecarBusy,
     SidecarUnavailable,
 )
+from shm.ring import RingCorrupted
 from shm.segment import Segment
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class SidecarClient:
         self.liveness_slice_s = liveness_slice_s
         self.limits = limits
         self._ids = itertools.count(1)
+        self._encoder = protocol.Encoder(limits)
         self._pending: dict[int, dict] = {}  # completions read ahead of their waiter
         self._segment: Segment | None = None
         self._ctl: ControlSegment | None = None
@@ -163,12 +165,13 @@ class SidecarClient:
         for k, v in fields.items():
             if v is not None:
                 msg[k] = v
-        self.send_raw(protocol.encode(msg, self.limits), timeout_s)
+        self.send_raw(self._encoder.encode(msg), timeout_s)
         return msg["id"]
 
     def send_raw(self, frame: bytes, timeout_s: float | None = None) -> None:
         """Put an already encoded frame in the submit ring (tests use this for bad input)."""
-        self._check_alive()
+        if self._broken is not None or self._ctl is None:
+            self._check_alive()
         if not self._submit.try_push(frame):
             deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
             while not self._submit.try_push(frame):
@@ -176,8 +179,7 @@ class SidecarClient:
                 if self._submit.mark_waiting():
                     continue
                 self._ctl.sidecar_doorbell.ring()
-                self._sleep_until(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline,
-                                  busy=True)
+                self._wait_slice(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline, busy=True)
         self._ctl.sidecar_doorbell.ring()
 
     def wait(self, rid: int, timeout_s: float | None = None) -> dict:
@@ -191,7 +193,7 @@ class SidecarClient:
             reply = self._pending.pop(rid, None)
             if reply is not None:
                 return reply
-            self._sleep_until(self._completions.has_data, deadline)
+            self._wait_slice(self._completions.has_data, deadline)
 
     def poll_completions(self) -> list[dict]:
         """Non-blocking: every completion that arrived (and any read ahead)."""
@@ -202,7 +204,13 @@ class SidecarClient:
 
     # -- internals ---------------------------------------------------------------------------
     def _drain_completions(self) -> None:
-        frames = self._completions.pop_batch(256)
+        if self._broken is not None or self._ctl is None:
+            self._check_alive()
+        try:
+            frames = self._completions.pop_batch(256)
+        except RingCorrupted as exc:
+            self._broken = f"completion ring unusable: {exc}"
+            raise SidecarUnavailable(self._broken) from None
         if not frames:
             return
         if self._completions.producer_waiting():
@@ -215,15 +223,22 @@ class SidecarClient:
                 continue
             self._pending[reply["id"]] = reply
 
-    def _sleep_until(self, ready, deadline: float, busy: bool = False) -> None:
-        """One bounded wait on our doorbell; raises when the sidecar died or the deadline passed."""
-        self._check_alive()
+    def _wait_slice(self, ready, deadline: float, busy: bool = False) -> None:
+        """One bounded wait on our doorbell.
+
+        The sidecar's liveness is checked only when a slice ends without progress,
+        so the fast path costs no system call; a dead sidecar is noticed within
+        one ``liveness_slice_s``.
+        """
         now = time.monotonic()
-        if now >= deadline:
+        if now < deadline and self._doorbell.wait(
+                ready, min(self.liveness_slice_s, deadline - now), self.spin_s):
+            return
+        self._check_alive()
+        if time.monotonic() >= deadline:
             if busy:
                 raise SidecarBusy("submit ring full until the deadline")
             raise RequestTimeout("no completion before the deadline")
-        self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s)
 
     def _check_alive(self) -> None:
         if self._broken is not None:

@@ -146,3 +146,15 @@ def buffer_address(const unsigned char[::1] buf):
     if buf.shape[0] == 0:
         raise ValueError("empty buffer has no address")
     return <uintptr_t>&buf[0]
+
+def spin_until_u32_ne(uintptr_t addr, uint32_t value, unsigned int spins):
+    """Spin (CPU relax hint, GIL released) while ``*addr == value``; returns the last value read."""
+    cdef unsigned int i
+    cdef uint32_t cur = value
+    with nogil:
+        for i in range(spins):
+            cur = kvs_load_acq32(addr)
+            if cur != value:
+                break
+            kvs_cpu_relax()
+    return cur

@@ -1,32 +1,39 @@
-"""A cross-process doorbell: a futex word plus a "sleeping" flag, in shared memory.
+r"""A cross-process doorbell: a futex word plus a "sleeping" flag, in shared memory.
 
 Layout at ``offset`` (8 bytes, on a cache line of its own): ``seq: u32``, ``sleeping: u32``.
 
 Protocol (no lost wake-ups, no idle polling):
 
-* **Waiter** (one thread at a time per doorbell): spin briefly on its ``ready()``
-  check; then read ``seq``, publish ``sleeping = 1``, **full fence**, re-check
-  ``ready()``; only if still nothing, ``futex_wait(seq, observed)`` with a deadline.
-* **Poster**: after publishing its data (a ring tail store-release), **full
-  fence**, then if ``sleeping`` is set: increment ``seq`` and ``futex_wake``.
+* **Poster**: after publishing its data (a ring tail store-release), atomically
+  increments ``seq`` (a seq_cst read-modify-write, which is also a full fence),
+  then, only if ``sleeping`` is set, ``futex_wake``\s.  The increment is what a
+  spinning waiter watches, so a ring costs one atomic and no syscall unless the
+  waiter really sleeps.
+* **Waiter** (one thread at a time per doorbell): reads ``seq`` *before* checking
+  its ``ready()`` condition; spins (natively, GIL released, CPU relax hint) while
+  ``seq`` is unchanged; then publishes ``sleeping = 1``, **full fence**, re-checks
+  ``ready()``, and only then ``futex_wait(seq, observed)`` with a deadline.
 
-Why both fences: the waiter stores ``sleeping`` then loads the ring; the poster
-stores the ring then loads ``sleeping``.  Acquire/release does not order a store
-before a later load (store-load reordering is allowed even on x86), so without
-the seq_cst fences both sides could miss each other.  With them, at least one
-side sees the other: either the waiter sees the data in its re-check, or the
-poster sees ``sleeping`` and bumps ``seq``; the bump makes ``futex_wait`` return
-at once if it happens between the waiter's read of ``seq`` and its sleep.
+Why no wake-up is lost: a post that happens after the waiter read ``seq`` changes
+``seq``, so the spin ends or ``futex_wait`` returns at once (the kernel compares
+the word atomically).  A post whose data landed before that read is seen by the
+``ready()`` check that follows it.  The waiter's store of ``sleeping`` and the
+poster's increment are ordered by the fence / RMW on each side (store→load
+reordering is otherwise allowed, even on x86), so either the poster sees
+``sleeping`` and wakes, or the waiter's re-check sees the data.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from native import atomics as _a
 
 DOORBELL_BYTES = 8
 _INT_MAX = 2**31 - 1
+_YIELD_AFTER_S = 30e-6  # spin this long before yielding the CPU between chunks
+_SPIN_CHUNK = 64  # relax-hinted loads between clock checks (~1-5 µs)
 
 
 class Doorbell:
@@ -39,10 +46,9 @@ class Doorbell:
         self.wakeups_posted = 0
 
     def ring(self) -> bool:
-        """Wake the waiter if it sleeps.  Returns True when a wake-up was posted."""
-        _a.fence()
+        """Signal the waiter.  Returns True when a futex wake-up was posted."""
+        _a.fetch_add_u32(self.seq_addr, 1)
         if _a.load_acquire_u32(self.sleeping_addr):
-            _a.fetch_add_u32(self.seq_addr, 1)
             _a.futex_wake(self.seq_addr, _INT_MAX)
             self.wakeups_posted += 1
             return True
@@ -51,26 +57,34 @@ class Doorbell:
     def wait(self, ready, timeout_s: float, spin_s: float | None = None) -> bool:
         """Block until ``ready()`` is true or ``timeout_s`` passes; returns ``ready()``.
 
-        Spins for ``spin_s`` (default: the doorbell's) before sleeping.  A wake-up
-        does not imply readiness (another event may share the doorbell), so the
+        Spins for up to ``spin_s`` (default: the doorbell's) before sleeping.  A
+        ring does not imply readiness (several events share one doorbell), so the
         caller loops on its own condition.
         """
+        observed = _a.load_acquire_u32(self.seq_addr)
         if ready():
             return True
-        spin = self.spin_s if spin_s is None else spin_s
-        now = time.perf_counter()
+        spin = min(self.spin_s if spin_s is None else spin_s, timeout_s)
+        start = time.perf_counter()
         if spin > 0:
-            spin_end = now + min(spin, timeout_s)
+            end = start + spin
             while True:
-                if ready():
-                    return True
+                cur = _a.spin_until_u32_ne(self.seq_addr, observed, _SPIN_CHUNK)
+                if cur != observed:
+                    if ready():
+                        return True
+                    observed = cur
                 now = time.perf_counter()
-                if now >= spin_end:
+                if now >= end:
                     break
-        remaining = timeout_s - spin if spin > 0 else timeout_s
+                if now - start < _YIELD_AFTER_S:
+                    continue
+                # A peer we just woke may have been queued on this CPU (wake-affine
+                # placement); yielding lets it run instead of waiting out our spin.
+                os.sched_yield()
+        remaining = timeout_s - (time.perf_counter() - start)
         if remaining <= 0:
             return ready()
-        observed = _a.load_acquire_u32(self.seq_addr)
         _a.store_release_u32(self.sleeping_addr, 1)
         _a.fence()
         try:

@@ -75,14 +75,33 @@ OP_SCHEMAS: dict[str, OpSchema] = {
 }
 
 
-def _unpacker_limits(limits: Limits) -> dict:
-    return dict(
-        max_str_len=limits.max_str * 4,
-        max_bin_len=max(limits.max_blocks * KEY_BYTES, limits.max_frame_bytes),
-        max_array_len=limits.max_list,
-        max_map_len=limits.max_map,
-        max_ext_len=0,
-    )
+class Encoder:
+    """msgpack packing with a reused ``Packer`` (one per thread of use; not thread-safe)."""
+
+    __slots__ = ("_pack", "max_frame_bytes")
+
+    def __init__(self, limits: "Limits" = None):
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self.max_frame_bytes = (limits or DEFAULT_LIMITS).max_frame_bytes
+
+    def encode(self, msg: dict) -> bytes:
+        data = self._pack(msg)
+        if len(data) > self.max_frame_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes over {self.max_frame_bytes}")
+        return data
+
+
+# Decoding relies on msgpack's default limits, which are derived from the input
+# length: no container or string can claim more elements or bytes than the frame
+# holds, and the frame itself is bounded by ``max_frame_bytes`` (checked first),
+# so a hostile frame cannot make the decoder allocate more than O(frame) memory.
+# Map keys must be str/bytes (``strict_map_key``); ext types are rejected.
+def _unpack(data):
+    return msgpack.unpackb(data, ext_hook=_no_ext)
+
+
+def _no_ext(code, data):
+    raise ValueError("ext types are not part of the protocol")
 
 
 def encode(msg: dict, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -143,10 +162,9 @@ def decode_request(data, limits: Limits = DEFAULT_LIMITS) -> dict:
     if len(data) > limits.max_frame_bytes:
         raise _err(ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes over {limits.max_frame_bytes}", None)
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, **_unpacker_limits(limits))
+        msg = _unpack(data)
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
-        code = ErrorCode.TOO_LARGE if "exceeds max" in str(exc) else ErrorCode.MALFORMED
-        raise _err(code, f"undecodable frame: {exc}", None) from None
+        raise _err(ErrorCode.MALFORMED, f"undecodable frame: {exc}", None) from None
     if type(msg) is not dict:
         raise _err(ErrorCode.MALFORMED, "request is not a map", None)
     rid = msg.get("id")
@@ -176,7 +194,7 @@ def decode_request(data, limits: Limits = DEFAULT_LIMITS) -> dict:
 def decode_completion(data, limits: Limits = DEFAULT_LIMITS) -> dict:
     """Decode a completion (sidecar → client); shape-checked, not schema-checked."""
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, **_unpacker_limits(limits))
+        msg = _unpack(data)
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"undecodable completion: {exc}") from None
     if type(msg) is not dict or type(msg.get("id")) is not int or type(msg.get("ok")) is not bool:

@@ -1,4 +1,4 @@
-"""Single-producer single-consumer byte ring of length-prefixed frames in shared memory.
+r"""Single-producer single-consumer byte ring of length-prefixed frames in shared memory.
 
 Layout at ``offset``:
 
@@ -19,10 +19,10 @@ the position.
 Memory ordering (the rules the code below relies on):
 
 1. Producer writes frame bytes with plain stores, then **store-release** ``tail``.
-   Consumer **load-acquire**\\s ``tail`` before reading any frame byte, so it sees
+   Consumer **load-acquire**\s ``tail`` before reading any frame byte, so it sees
    complete frames only.
-2. Consumer copies a frame out, then **store-release**\\s ``head``.  Producer
-   **load-acquire**\\s ``head`` before computing free space, so it never overwrites
+2. Consumer copies a frame out, then **store-release**\s ``head``.  Producer
+   **load-acquire**\s ``head`` before computing free space, so it never overwrites
    bytes the consumer is still reading.
 3. Back-pressure: a producer that finds the ring full sets ``waiting = 1``, full
    fence, re-reads ``head``; the consumer, after advancing ``head``, full fence,
@@ -63,6 +63,10 @@ class RingCorrupted(ProtocolError):
 
     def __init__(self, message: str):
         super().__init__(ErrorCode.MALFORMED, message)
+
+
+class Oversize(int):
+    """Stands in ``pop_batch`` output for a well-formed frame over ``max_frame`` (its length)."""
 
 
 class _RingBase:
@@ -160,17 +164,20 @@ class RingConsumer(_RingBase):
         view = self.view
         base = self.data_off
         mask = self.mask
+        if tail < head or tail - head > self.capacity:
+            raise RingCorrupted(f"ring indices head={head} tail={tail} are inconsistent")
         while head != tail and len(out) < limit:
-            if tail - head > self.capacity:
-                raise RingCorrupted("ring fill level exceeds capacity")
             pos = head & mask
             (n,) = _U32.unpack_from(view, base + pos)
             if n == WRAP_MARKER:
                 head += self.capacity - pos
                 continue
-            if n > self.max_frame or pos + 4 + n > self.capacity:
+            if pos + 4 + n > self.capacity:
                 raise RingCorrupted(f"frame length {n} at ring offset {pos} is out of bounds")
-            out.append(bytes(view[base + pos + 4 : base + pos + 4 + n]))
+            if n > self.max_frame:
+                out.append(Oversize(n))  # skipped, not copied: the caller answers TOO_LARGE
+            else:
+                out.append(bytes(view[base + pos + 4 : base + pos + 4 + n]))
             head += (4 + n + 7) & ~7
         self._head = head
         _a.store_release_u64(self.head_addr, head)  # rule 2

@@ -37,6 +37,7 @@ class ClientConn:
         self.completion = ctl.completion_producer(slot)
         self.doorbell = ctl.client_doorbell(slot)
         self.outbox: collections.deque = collections.deque()
+        self.encoder = protocol.Encoder(protocol.Limits(max_frame_bytes=max_frame))
         self.info: ClientInfo | None = None
         self.detaching = False
         self.requests = 0
@@ -48,7 +49,7 @@ class ClientConn:
 
     def send(self, completion: dict) -> None:
         """Queue a completion; it goes straight into the ring unless an outbox backlog exists."""
-        data = protocol.encode(completion)
+        data = self.encoder.encode(completion)
         if self.outbox or not self.completion.try_push(data):
             self.outbox.append(data)
 

@@ -75,19 +75,27 @@ class SidecarHost:
     def ready_marker(self) -> Path:
         return Path(self.cfg.run_dir) / f"{self.cfg.instance}.ready"
 
-    def serve(self) -> None:
+    def serve(self, ready_fd: int | None = None) -> None:
+        """Run until stopped.  Readiness is announced by the marker file and, when
+        ``ready_fd`` is given, by a line written to that pipe (then closed)."""
         marker = self.ready_marker()
         marker.parent.mkdir(parents=True, exist_ok=True)
-        self.sidecar.call_at(0.0, self._write_marker, marker)
+        self.sidecar.call_at(0.0, self._announce, marker, ready_fd)
         try:
             self.sidecar.run()
         finally:
             self.close()
 
-    def _write_marker(self, marker: Path) -> None:
+    def _announce(self, marker: Path, ready_fd: int | None) -> None:
+        line = f"{os.getpid()} {self.generation}\n"
         tmp = marker.with_suffix(".tmp")
-        tmp.write_text(f"{os.getpid()} {self.generation}\n")
+        tmp.write_text(line)
         os.replace(tmp, marker)
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, line.encode())
+            finally:
+                os.close(ready_fd)
 
     def close(self) -> None:
         """Seal, release every client, unlink the segments (exactly once)."""
@@ -112,6 +120,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set transport.num_slots=8 (TOML value syntax)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--ready-fd", type=int, help="write a line to this inherited fd when ready")
     return p
 
 
@@ -140,5 +149,5 @@ def main(argv=None) -> int:
     host = SidecarHost(cfg)
     signal.signal(signal.SIGTERM, lambda *_: host.sidecar.request_stop())
     signal.signal(signal.SIGINT, lambda *_: host.sidecar.request_stop())
-    host.serve()
+    host.serve(args.ready_fd)
     return 0

@@ -30,7 +30,7 @@ from shm.control import (
     ControlSegment,
 )
 from shm.errors import ErrorCode, ProtocolError
-from shm.ring import RingCorrupted
+from shm.ring import Oversize, RingCorrupted
 
 from .clients import ClientConn, ClientInfo
 from .config import SidecarConfig
@@ -112,12 +112,15 @@ class Sidecar:
                 now = time.monotonic()
                 if worked:
                     self._stats_dirty = True
-                    if now - self._last_stats >= stats_every:
-                        self._publish_stats(now)
                     continue
-                if self._stats_dirty:
-                    self._publish_stats(now)
                 timeout = MAX_IDLE_SLEEP_S
+                if self._stats_dirty:
+                    # Publish at most every stats_every, never on the request path.
+                    due = self._last_stats + stats_every
+                    if now >= due:
+                        self._publish_stats(now)
+                    else:
+                        timeout = due - now
                 if self._timers:
                     timeout = max(0.0, min(timeout, self._timers[0][0] - now))
                 self.doorbell.wait(self._has_work, timeout, spin_s)
@@ -210,9 +213,11 @@ class Sidecar:
             except Exception:
                 log.exception("client-gone hook failed for slot %d", conn.slot)
         log.info("client slot %d (pid %d) dropped: %s", conn.slot, conn.pid, reason)
-        conn.submit.reset()
-        conn.completion.reset()
         if free_slot:
+            # The client is gone (or has consumed its detach ack): nobody else
+            # touches these rings until the slot is claimed again.
+            conn.submit.reset()
+            conn.completion.reset()
             self.ctl.set_slot(conn.slot, 0, SLOT_FREE)
         self._stats_dirty = True
 
@@ -251,6 +256,9 @@ class Sidecar:
     def _handle(self, conn: ClientConn, data: bytes) -> dict:
         conn.requests += 1
         self.counters["requests"] += 1
+        if type(data) is Oversize:
+            return self._error(conn, None, ErrorCode.TOO_LARGE,
+                               f"frame of {int(data)} bytes over {self.limits.max_frame_bytes}")
         try:
             msg = protocol.decode_request(data, self.limits)
         except ProtocolError as exc:

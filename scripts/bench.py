@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""kvsidecar benchmarks: each suite prints a table and writes JSON, with its baseline
+measured in the same run (ratios; these machines are noisy).
+
+    python scripts/bench.py ring  [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SUITES = {
+    "ring": "bench_ring",
+    "load": "bench_load",
+}
+
+
+def print_table(title: str, rows: list[tuple[str, object, str]]) -> None:
+    print(f"\n{title}")
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        v = f"{value:.3f}" if isinstance(value, float) else str(value)
+        print(f"  {name:<{width}}  {v:>14}  {note}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=sorted(SUITES))
+    p.add_argument("--quick", action="store_true", help="fewer samples (CI-sized)")
+    p.add_argument("--json", help="write results to this path")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    module = __import__(SUITES[args.suite])
+    result = module.run(quick=args.quick)
+    print_table(f"kvsidecar bench: {args.suite}{' (quick)' if args.quick else ''}", module.table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True))
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Ring transport benchmark: round trips, first-after-idle, throughput, idle CPU,
+against ZeroMQ ipc:// + pickle (the anchors' transport) and a Unix socket pair."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+
+from connector.client import SidecarClient
+from shm import protocol
+from sidecar.spawn import SidecarProcess
+
+
+def _pct(samples, q):
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1e6
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return int(rest[11]) + int(rest[12])  # utime + stime
+
+
+def _idle_client(instance, conn):
+    c = SidecarClient(instance, group="idle", rank=0)
+    c.attach()
+    conn.send("ready")
+    conn.recv()  # block until told to leave
+    c.detach()
+
+
+def _zmq_server(path):
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.REP)
+    s.bind(f"ipc://{path}")
+    while True:
+        msg = pickle.loads(s.recv())
+        if msg.get("op") == "quit":
+            s.send(pickle.dumps({"ok": True}))
+            break
+        s.send(pickle.dumps({"id": msg["id"], "ok": True}))
+    s.close()
+    ctx.term()
+
+
+def _uds_server(sock):
+    while True:
+        data = sock.recv(4096)
+        if not data or data == b"quit":
+            break
+        sock.sendall(data)
+
+
+def _rtt_samples(fn, n, idle_s=0.0):
+    out = []
+    for _ in range(n):
+        if idle_s:
+            time.sleep(idle_s)
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    n_rtt = 20000 if quick else 100000
+    n_idle = 200 if quick else 1000
+    n_thru = 100000 if quick else 400000
+    ctx = mp.get_context("spawn")
+    instance = f"kvsbench{os.getpid()}"
+    res: dict = {"quick": quick}
+    with SidecarProcess(instance) as sc:
+        c = SidecarClient(instance, group="bench")
+        c.attach()
+        ping = lambda: c.call("ping")  # noqa: E731
+        _rtt_samples(ping, 2000)
+        s = _rtt_samples(ping, n_rtt)
+        res["rtt_p50_us"], res["rtt_p99_us"] = _pct(s, 0.5), _pct(s, 0.99)
+        s = _rtt_samples(ping, n_idle, idle_s=0.002)
+        res["idle_rtt_p50_us"], res["idle_rtt_p99_us"] = _pct(s, 0.5), _pct(s, 0.99)
+        # Throughput: a pipelined client with pre-encoded frames, so the sidecar's
+        # decode/dispatch/encode is what is measured.
+        enc = protocol.Encoder()
+        window = 256
+        frames = [enc.encode({"v": 1, "op": "ping", "id": 10_000_000 + i}) for i in range(window)]
+        t0 = time.perf_counter()
+        done = 0
+        while done < n_thru:
+            for f in frames:
+                c.send_raw(f)
+            got = 0
+            while got < window:
+                got += len(c.poll_completions())
+                if got < window:
+                    c._doorbell.wait(c._completions.has_data, 0.05, 200e-6)
+            done += window
+        res["msgs_per_s"] = done / (time.perf_counter() - t0)
+        c.detach()
+        # Idle CPU with 8 attached idle clients.
+        pipes, procs = [], []
+        for _ in range(8):
+            a, b = ctx.Pipe()
+            pr = ctx.Process(target=_idle_client, args=(instance, b))
+            pr.start()
+            pipes.append(a)
+            procs.append(pr)
+        for a in pipes:
+            a.recv()
+        time.sleep(0.5)
+        window_s = 5.0
+        t_start = _cpu_ticks(sc.pid)
+        time.sleep(window_s)
+        used = (_cpu_ticks(sc.pid) - t_start) / os.sysconf("SC_CLK_TCK")
+        res["idle_cpu_fraction"] = used / window_s
+        res["idle_clients"] = 8
+        for a in pipes:
+            a.send("bye")
+        for pr in procs:
+            pr.join(10)
+    # Baseline: ZeroMQ REQ/REP over ipc:// with pickle.
+    path = f"/tmp/kvsbench-zmq-{os.getpid()}"
+    zp = ctx.Process(target=_zmq_server, args=(path,))
+    zp.start()
+    import zmq
+
+    zctx = zmq.Context()
+    zs = zctx.socket(zmq.REQ)
+    zs.connect(f"ipc://{path}")
+    i = [0]
+
+    def zping():
+        i[0] += 1
+        zs.send(pickle.dumps({"v": 1, "op": "ping", "id": i[0]}))
+        pickle.loads(zs.recv())
+
+    _rtt_samples(zping, 1000)
+    s = _rtt_samples(zping, n_rtt // 4)
+    res["zmq_rtt_p50_us"] = _pct(s, 0.5)
+    zs.send(pickle.dumps({"op": "quit"}))
+    zs.recv()
+    zs.close()
+    zctx.term()
+    zp.join(10)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    # Baseline: Unix socket pair (blocking echo in another process).
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    up = ctx.Process(target=_uds_server, args=(b,))
+    up.start()
+    b.close()
+    payload = protocol.encode({"v": 1, "op": "ping", "id": 1})
+
+    def uping():
+        a.sendall(payload)
+        a.recv(4096)
+
+    _rtt_samples(uping, 1000)
+    s = _rtt_samples(uping, n_rtt // 4)
+    res["uds_rtt_p50_us"] = _pct(s, 0.5)
+    s = _rtt_samples(uping, n_idle, idle_s=0.002)
+    res["uds_idle_rtt_p50_us"] = _pct(s, 0.5)
+    a.sendall(b"quit")
+    up.join(10)
+    a.close()
+    res["speedup_vs_zmq"] = res["zmq_rtt_p50_us"] / res["rtt_p50_us"]
+    res["idle_vs_uds"] = res["idle_rtt_p50_us"] / res["uds_idle_rtt_p50_us"]
+    return res
+
+
+def table(r: dict):
+    return [
+        ("rtt_p50_us", r["rtt_p50_us"], "target <= 15"),
+        ("rtt_p99_us", r["rtt_p99_us"], "target <= 40"),
+        ("zmq_rtt_p50_us", r["zmq_rtt_p50_us"], "baseline: ZeroMQ ipc:// + pickle"),
+        ("speedup_vs_zmq", r["speedup_vs_zmq"], "target >= 10x"),
+        ("idle_rtt_p50_us", r["idle_rtt_p50_us"], "first request after 2 ms idle; target <= 250"),
+        ("uds_idle_rtt_p50_us", r["uds_idle_rtt_p50_us"], "baseline: Unix socket pair after 2 ms idle"),
+        ("uds_rtt_p50_us", r["uds_rtt_p50_us"], "baseline: Unix socket pair, steady"),
+        ("idle_vs_uds", r["idle_vs_uds"], "target <= 1.0"),
+        ("msgs_per_s", r["msgs_per_s"], "decoded commands/s, one sidecar; target >= 200k"),
+        ("idle_cpu_fraction", r["idle_cpu_fraction"], "8 idle clients, 5 s; target < 0.005"),
+    ]

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: set up, then run the sidecar on its embedded defaults beside a simulated engine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export MC_TCP_BIND_ADDRESS=127.0.0.1
+exec .venv/bin/python scripts/demo.py "$@"

@@ -1,0 +1,92 @@
+"""Shared fixtures: real sidecar processes, and leak checks after every test.
+
+Every test gets an instance name of its own (``kvst-...``); after each test no
+segment with that prefix may remain in /dev/shm and no child process may be left
+running.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+
+import pytest
+
+from sidecar.spawn import SidecarProcess
+
+SHM_PREFIX = "kvst-"
+
+
+def _our_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(rest[1]) == me and rest[0] != "Z":
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if b"resource_tracker" in cmd or b"forkserver" in cmd:
+                continue  # multiprocessing's own long-lived helpers
+            out.add(int(pid))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before_segs = _our_segments()
+    before_kids = _children()
+    yield
+    for p in mp.active_children():
+        p.join(5)
+    leaked = _our_segments() - before_segs
+    assert not leaked, f"segments left behind: {leaked}"
+    kids = _children() - before_kids
+    assert not kids, f"child processes left running: {kids}"
+
+
+@pytest.fixture
+def instance() -> str:
+    return SHM_PREFIX + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def spawn_ctx():
+    return mp.get_context("spawn")
+
+
+@pytest.fixture
+def sidecar_factory(instance):
+    started: list[SidecarProcess] = []
+
+    def start(**overrides) -> SidecarProcess:
+        sp = SidecarProcess(instance, overrides=overrides, log_level="WARNING")
+        started.append(sp)
+        return sp
+
+    yield start
+    for sp in started:
+        rc = sp.stop()
+        assert rc in (0, -9), f"sidecar exited with {rc}"
+    # A killed sidecar leaves its segments; the tests that kill one restart or clean up.
+    for name in list(_our_segments()):
+        if name.startswith(instance):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+@pytest.fixture
+def sidecar(sidecar_factory) -> SidecarProcess:
+    return sidecar_factory()
