@@ -58,7 +58,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     ),
     "detach": OpSchema({}),
     "ping": OpSchema({}, {"payload": BYTES}),
-    "stats": OpSchema({}),
+    "stats": OpSchema({}, {"check": BOOL}),
     "lookup": OpSchema({"chain": CHAIN}, {"ns": STR, **_TP}),
     "get": OpSchema({"chain": CHAIN}, {"ns": STR, "max_blocks": INT, **_TP}),
     "release": OpSchema({"lease": INT}),

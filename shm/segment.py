@@ -77,8 +77,32 @@ class Segment:
         return cls(name, size, mm, owner=True, readonly=False)
 
     @classmethod
+    def create_file(cls, path: str, size: int, *, replace_stale: bool = False) -> "Segment":
+        """Create a segment as a file (e.g. on a hugetlbfs mount), mode 0600; named by its path."""
+        if replace_stale:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError as exc:
+            raise SegmentError(f"segment {path} already exists") from exc
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise SegmentError(f"cannot map {path}: {exc}") from exc
+        os.close(fd)
+        return cls(path, size, mm, owner=True, readonly=False)
+
+    @classmethod
     def attach(cls, name: str, *, readonly: bool = False) -> "Segment":
-        """Map an existing segment by name."""
+        """Map an existing segment by name (a path starting with a directory is a file)."""
+        if name.count("/") > 1:
+            return cls._attach_file(name, readonly)
         pname = _posix_name(name)
         flags = 0
         try:
@@ -94,6 +118,20 @@ class Segment:
         finally:
             shm.close_fd()
         return cls(name, size, mm, owner=False, readonly=readonly)
+
+    @classmethod
+    def _attach_file(cls, path: str, readonly: bool) -> "Segment":
+        try:
+            fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise SegmentError(f"segment {path} does not exist") from exc
+        try:
+            size = os.fstat(fd).st_size
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            mm = mmap.mmap(fd, size, prot=prot)
+        finally:
+            os.close(fd)
+        return cls(path, size, mm, owner=False, readonly=readonly)
 
     # -- access -------------------------------------------------------------------------------
     @property
@@ -138,7 +176,13 @@ class Segment:
             raise SegmentError("only the owner unlinks a segment")
         if not self._unlinked:
             self._unlinked = True
-            unlink_segment(self.name)
+            if self.name.count("/") > 1:
+                try:
+                    os.unlink(self.name)
+                except FileNotFoundError:
+                    pass
+            else:
+                unlink_segment(self.name)
 
     def __enter__(self):
         return self

@@ -26,10 +26,43 @@ class TransportConfig:
 
 
 @dataclasses.dataclass
+class LayoutConfig:
+    """The engine's KV layout (see ``shm.layout.KVLayout``); ranks must attach with the same."""
+
+    model: str = "model"
+    num_layers: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float16"
+    tokens_per_block: int = 64
+    tp_size: int = 1
+    mla: bool = False
+
+
+@dataclasses.dataclass
+class PoolConfig:
+    num_blocks: int = 1024
+    prefault: bool = True
+    hugepage_dir: str = ""  # a hugetlbfs mount: back the pool with huge pages (file there, mode 0600)
+
+
+@dataclasses.dataclass
+class LimitsConfig:
+    reserved_bytes_limit: int = 0  # staging not yet published; 0 = the whole pool
+    pinned_bytes_limit: int = 0  # blocks pinned by leases; 0 = the whole pool
+    lease_ttl_s: float = 30.0
+    staging_ttl_s: float = 30.0
+    decision_ttl_s: float = 30.0
+
+
+@dataclasses.dataclass
 class SidecarConfig:
     instance: str = "kvsidecar"
     run_dir: str = "/tmp/kvsidecar"  # ready marker and logs
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
+    layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
+    pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
+    limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
 
     def validate(self) -> None:
         t = self.transport
@@ -41,6 +74,20 @@ class SidecarConfig:
             raise ConfigError("transport.max_frame_bytes must fit in half a ring")
         if not self.instance or len(self.instance) > 40 or "/" in self.instance:
             raise ConfigError("instance must be 1..40 characters without '/'")
+        if self.pool.num_blocks <= 0:
+            raise ConfigError("pool.num_blocks must be positive")
+        for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
+            if getattr(self.limits, name) < 0:
+                raise ConfigError(f"limits.{name} must be >= 0")
+        try:
+            self.kv_layout()
+        except ValueError as exc:
+            raise ConfigError(f"layout: {exc}") from None
+
+    def kv_layout(self):
+        from shm.layout import KVLayout
+
+        return KVLayout(**dataclasses.asdict(self.layout))
 
     @property
     def control_name(self) -> str:

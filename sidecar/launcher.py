@@ -20,6 +20,8 @@ from shm.errors import SegmentError
 from shm.segment import Segment, segment_exists, unlink_segment
 
 from .config import SidecarConfig, load_config
+from .core import KVCore
+from .pool_memory import create_pool_segment
 from .server import Sidecar
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,12 @@ class SidecarHost:
             self.control_segment, generation=self.generation, num_slots=t.num_slots,
             ring_capacity=t.ring_bytes, instance=cfg.instance,
         )
-        self.sidecar = Sidecar(cfg, self.ctl)
+        layout = cfg.kv_layout()
+        self.pool_segment = create_pool_segment(cfg, layout.block_bytes * cfg.pool.num_blocks)
+        self.segments.append(self.pool_segment)
+        self.ctl.set_pool_name(self.pool_segment.name)
+        self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
+        self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits)
         self._closed = False
 
     def ready_marker(self) -> Path:

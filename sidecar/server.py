@@ -69,6 +69,8 @@ class Sidecar:
             "ping": self._op_ping,
             "stats": self._op_stats,
         }
+        self.attach_validators: list = []  # fn(conn, msg) raising OpError to refuse an attach
+        self.invariant_checks: list = []  # fn() -> '' or a description of what broke
         self.client_gone_hooks: list = []  # fn(conn) called when a client detaches or dies
         self.stats_providers: list = []  # fn() -> dict merged into stats
         self.counters: collections.Counter = collections.Counter()
@@ -310,6 +312,8 @@ class Sidecar:
                         ErrorCode.LAYOUT_MISMATCH,
                         f"layout field {key!r}: sidecar has {self.layout.get(key)!r}, client has {theirs.get(key)!r}",
                     )
+        for validate in self.attach_validators:
+            validate(conn, msg)
         conn.info = ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"])
         self.ctl.set_slot(conn.slot, conn.pid, SLOT_ACTIVE)
         self.counters["attaches"] += 1
@@ -326,7 +330,10 @@ class Sidecar:
         return {"payload": payload} if payload is not None else {}
 
     def _op_stats(self, conn: ClientConn, msg: dict) -> dict:
-        return {"stats": self.snapshot()}
+        out = {"stats": self.snapshot()}
+        if msg.get("check"):
+            out["invariants"] = "; ".join(filter(None, (check() for check in self.invariant_checks)))
+        return out
 
     # -- observability -----------------------------------------------------------------------
     def snapshot(self) -> dict:

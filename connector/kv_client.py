@@ -1,0 +1,130 @@
+"""One TP rank's KV connector: the sidecar ops plus copies into and out of engine tensors.
+
+    conn = KVConnector("kvs0", layout, rank=r, group="engine-A")
+    conn.attach()
+    chain = conn.hasher.chain(tokens)
+    lease = conn.get(chain, req="r1", step=s)        # held GET: the group's one decision
+    conn.load(lease, kv_caches, pages[:lease.count])  # this rank's shard, straight from shm
+    conn.release(lease)
+    st = conn.store(chain, req="r1", step=s)          # staging for the non-resident tail
+    conn.save(st, kv_caches, pages[st.start:st.start + st.count])
+    conn.commit(st)                                   # published when every writer committed
+
+Requests that carry ``req`` and ``step`` get the group's first answer (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+
+from shm.errors import RemoteError
+from shm.layout import KVLayout
+from shm.segment import Segment
+
+from .client import SidecarClient
+from .hashing import BlockHasher
+from .kv_copy import KVCopier
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    id: int
+    blocks: tuple
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    id: int
+    start: int  # chain index of the first staged block
+    blocks: tuple
+    count: int
+    resident: int  # blocks resident before this store
+
+
+def _ids(blob: bytes) -> tuple:
+    a = array.array("I")
+    a.frombytes(blob)
+    return tuple(a)
+
+
+class KVConnector:
+    def __init__(self, instance: str, layout: KVLayout, *, rank: int = 0, group: str = "engine",
+                 namespace: str = "", timeout_s: float = 5.0, **client_kw):
+        self.layout = layout
+        self.rank = rank
+        self.client = SidecarClient(instance, group=group, rank=rank, group_size=layout.tp_size,
+                                    layout=layout.as_dict(), timeout_s=timeout_s, **client_kw)
+        self.hasher = BlockHasher(layout, namespace)
+        self.pool: Segment | None = None
+        self.copier: KVCopier | None = None
+
+    def attach(self) -> dict:
+        info = self.client.attach()
+        self.pool = Segment.attach(info["pool"])
+        self.copier = KVCopier(self.layout, self.rank, self.pool.address, self.pool.size)
+        return info
+
+    def detach(self) -> None:
+        self.client.detach()
+        self._unmap()
+
+    def close(self) -> None:
+        self.client.close()
+        self._unmap()
+
+    def _unmap(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def __enter__(self):
+        self.attach()
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+    # -- ops ------------------------------------------------------------------------------------
+    def lookup(self, chain: bytes, **group) -> int:
+        return self.client.call("lookup", chain=chain, **group)["hit"]
+
+    def get(self, chain: bytes, max_blocks: int | None = None, **group) -> Lease:
+        r = self.client.call("get", chain=chain, max_blocks=max_blocks, **group)
+        return Lease(r["lease"], _ids(r["blocks"]), r["count"])
+
+    def release(self, lease) -> bool:
+        lid = lease.id if isinstance(lease, Lease) else lease
+        if not lid:
+            return False
+        return self.client.call("release", lease=lid)["held"]
+
+    def store(self, chain: bytes, l3: bool = False, **group) -> Staging:
+        r = self.client.call("store", chain=chain, l3=l3 or None, **group)
+        return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"])
+
+    def commit(self, staging, ok: bool = True) -> dict:
+        sid = staging.id if isinstance(staging, Staging) else staging
+        return self.client.call("commit", staging=sid, ok=ok)
+
+    def stats(self, check: bool = False) -> dict:
+        r = self.client.call("stats", check=check or None)
+        if check:
+            r["stats"]["invariants"] = r.get("invariants", "")
+        return r["stats"]
+
+    # -- copies ---------------------------------------------------------------------------------
+    def load(self, lease: Lease, kv_caches, pages, layers=None) -> int:
+        return self.copier.load(lease.blocks[:len(pages)], kv_caches, pages, layers)
+
+    def save(self, staging: Staging, kv_caches, pages, layers=None) -> int:
+        if not self.layout.writes(self.rank):
+            return 0
+        return self.copier.save(staging.blocks[:len(pages)], kv_caches, pages, layers)
+
+
+__all__ = ["KVConnector", "Lease", "Staging", "RemoteError"]

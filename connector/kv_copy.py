@@ -1,0 +1,140 @@
+"""Copies between leased pool blocks and one rank's engine KV tensors.
+
+Engine KV for this rank: per layer, a K and a V tensor of shape
+``[num_pages, tokens_per_block, heads_per_shard, head_dim]`` (MLA: one latent tensor per
+layer), page size == ``tokens_per_block``.  Page ``p`` of one (layer, K/V) is one
+contiguous region of ``layout.region_bytes``, and so is this rank's shard of that
+(layer, K/V) in pool block ``b`` (see ``shm.layout``) — one memcpy each.
+
+CPU tensors: ``native.copy.copy_regions`` copies all regions of one (layer, K/V) in a
+single C loop with the GIL released, straight out of the shared mapping.
+CUDA tensors: the pool mapping is ``cudaHostRegister``-ed once, and each region is an
+async host↔device copy on the copier's stream (the caller synchronises per layer or at
+the end).  The CUDA path is exercised only where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import array
+
+from native.copy import copy_regions
+from shm.layout import KVLayout
+
+
+class KVShapeError(ValueError):
+    """Engine tensors do not match the layout."""
+
+
+class KVCopier:
+    def __init__(self, layout: KVLayout, rank: int, pool_address: int, pool_bytes: int):
+        self.layout = layout
+        self.rank = rank
+        self.shard = layout.shard_of(rank)
+        self.pool_address = pool_address
+        self.pool_bytes = pool_bytes
+        self.num_pool_blocks = pool_bytes // layout.block_bytes
+        self._cuda_registered = False
+        self._stream = None
+
+    # -- validation -----------------------------------------------------------------------------
+    def check_kv(self, kv_caches) -> None:
+        """``kv_caches[layer]`` is a tuple of kv_factor tensors of the layout's page shape."""
+        L = self.layout
+        if len(kv_caches) != L.num_layers:
+            raise KVShapeError(f"{len(kv_caches)} layers given, layout has {L.num_layers}")
+        for layer, tensors in enumerate(kv_caches):
+            if len(tensors) != L.kv_factor:
+                raise KVShapeError(f"layer {layer}: {len(tensors)} tensors, layout needs {L.kv_factor}")
+            for t in tensors:
+                if t.dim() != 4 or tuple(t.shape[1:]) != (L.tokens_per_block, L.heads_per_shard, L.head_dim):
+                    raise KVShapeError(f"layer {layer}: shape {tuple(t.shape)} does not match "
+                                       f"[pages, {L.tokens_per_block}, {L.heads_per_shard}, {L.head_dim}]")
+                if t.element_size() != L.itemsize or not t.is_contiguous():
+                    raise KVShapeError(f"layer {layer}: dtype/contiguity does not match the layout")
+
+    def _offsets(self, blocks, pages, num_pages: int):
+        L = self.layout
+        for b in blocks:
+            if not 0 <= b < self.num_pool_blocks:
+                raise KVShapeError(f"block id {b} outside the pool")
+        for p in pages:
+            if not 0 <= p < num_pages:
+                raise KVShapeError(f"page {p} outside the engine pool of {num_pages}")
+        bb, rb = L.block_bytes, L.region_bytes
+        block_off = array.array("q", (b * bb for b in blocks))
+        page_off = array.array("q", (p * rb for p in pages))
+        return block_off, page_off
+
+    # -- copies ---------------------------------------------------------------------------------
+    def load(self, blocks, kv_caches, pages, layers=None) -> int:
+        """Pool blocks → engine pages (this rank's shard).  Returns bytes copied."""
+        return self._copy(blocks, kv_caches, pages, layers, to_engine=True)
+
+    def save(self, blocks, kv_caches, pages, layers=None) -> int:
+        """Engine pages → staging pool blocks (this rank's shard).  Returns bytes copied."""
+        return self._copy(blocks, kv_caches, pages, layers, to_engine=False)
+
+    def _copy(self, blocks, kv_caches, pages, layers, to_engine: bool) -> int:
+        if len(blocks) != len(pages):
+            raise KVShapeError(f"{len(blocks)} blocks but {len(pages)} pages")
+        if not blocks:
+            return 0
+        self.check_kv(kv_caches)
+        L = self.layout
+        num_pages = kv_caches[0][0].shape[0]
+        block_off, page_off = self._offsets(blocks, pages, num_pages)
+        if kv_caches[0][0].is_cuda:
+            return self._copy_cuda(blocks, kv_caches, pages, layers, to_engine)
+        total = 0
+        rb = L.region_bytes
+        for layer in (range(L.num_layers) if layers is None else layers):
+            for kv in range(L.kv_factor):
+                t = kv_caches[layer][kv]
+                base = self.pool_address + L.region_offset(self.shard, layer, kv)
+                if to_engine:
+                    copy_regions(t.data_ptr(), page_off, base, block_off, rb)
+                else:
+                    copy_regions(base, block_off, t.data_ptr(), page_off, rb)
+                total += rb * len(blocks)
+        return total
+
+    # -- CUDA (runs only where a GPU exists) ----------------------------------------------------
+    def _copy_cuda(self, blocks, kv_caches, pages, layers, to_engine: bool) -> int:  # pragma: no cover
+        import torch
+
+        L = self.layout
+        if not self._cuda_registered:
+            rc = torch.cuda.cudart().cudaHostRegister(self.pool_address, self.pool_bytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister failed ({rc})")
+            self._cuda_registered = True
+            self._stream = torch.cuda.Stream()
+        pool = torch.frombuffer((_ctypes_buffer(self.pool_address, self.pool_bytes)), dtype=torch.uint8)
+        total = 0
+        with torch.cuda.stream(self._stream):
+            for layer in (range(L.num_layers) if layers is None else layers):
+                for kv in range(L.kv_factor):
+                    t = kv_caches[layer][kv].view(torch.uint8).view(kv_caches[layer][kv].shape[0], -1)
+                    off = L.region_offset(self.shard, layer, kv)
+                    for b, p in zip(blocks, pages):
+                        region = pool[b * L.block_bytes + off: b * L.block_bytes + off + L.region_bytes]
+                        if to_engine:
+                            t[p].copy_(region, non_blocking=True)
+                        else:
+                            region.copy_(t[p], non_blocking=True)
+                        total += L.region_bytes
+        self._stream.synchronize()
+        return total
+
+    def close(self) -> None:
+        if self._cuda_registered:  # pragma: no cover
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.pool_address)
+            self._cuda_registered = False
+
+
+def _ctypes_buffer(address: int, size: int):  # pragma: no cover
+    import ctypes
+
+    return (ctypes.c_uint8 * size).from_address(address)

@@ -1,0 +1,233 @@
+"""KV ops on the control thread: lookup, held GET, release, store → commit.
+
+All state (pool, index, leases, staging, decisions) is owned here and touched only
+from the control thread.  Group-consistent decisions (DESIGN §6) apply when a
+request carries ``req`` and ``step``: the first rank's answer is replayed to the others.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import time
+
+from shm.errors import ErrorCode
+from shm.layout import KVLayout
+
+from .decisions import DecisionBook
+from .index import KEY, PrefixIndex
+from .leases import LeaseError, LeaseTable
+from .pool import BlockPool, PoolError
+from .server import OpError, Sidecar
+from .staging import StagingTable
+
+log = logging.getLogger(__name__)
+
+
+def pack_ids(ids) -> bytes:
+    return array.array("I", ids).tobytes()
+
+
+class KVCore:
+    def __init__(self, sidecar: Sidecar, layout: KVLayout, num_blocks: int, limits):
+        self.sidecar = sidecar
+        self.layout = layout
+        self.limits = limits
+        self.pool = BlockPool(num_blocks, layout.block_bytes)
+        self.index = PrefixIndex(self.pool)
+        self.leases = LeaseTable(self.pool, self.index)
+        self.staging = StagingTable(self.pool, self.index, self.leases)
+        self.decisions = DecisionBook(limits.decision_ttl_s)
+        pool_bytes = num_blocks * layout.block_bytes
+        self.reserved_limit = limits.reserved_bytes_limit or pool_bytes
+        self.pinned_limit = limits.pinned_bytes_limit or pool_bytes
+        self._reaper_due = float("inf")
+        sidecar.handlers.update({"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
+                                 "store": self.op_store, "commit": self.op_commit})
+        sidecar.attach_validators.append(self._validate_attach)
+        sidecar.client_gone_hooks.append(self._client_gone)
+        sidecar.stats_providers.append(self.stats)
+        sidecar.invariant_checks.append(self.check)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _validate_attach(self, conn, msg) -> None:
+        if msg["group_size"] != self.layout.tp_size:
+            raise OpError(ErrorCode.LAYOUT_MISMATCH,
+                          f"group_size {msg['group_size']} != layout tp_size {self.layout.tp_size}")
+
+    @staticmethod
+    def _owner(conn) -> tuple:
+        return (conn.slot, conn.token)
+
+    def _decision_key(self, conn, op: str, msg: dict):
+        if msg.get("req") is None or msg.get("step") is None:
+            return None
+        return (conn.info.group, op, msg["req"], msg.get("attempt", 0), msg["step"])
+
+    def _decided(self, conn, op, msg, compute):
+        """Replay the group's recorded answer for this step, or compute and record it."""
+        key = self._decision_key(conn, op, msg)
+        if key is not None:
+            prior = self.decisions.lookup(key, conn.info.rank)
+            if prior is not None:
+                if "error" in prior:
+                    raise OpError(prior["error"][0], prior["error"][1])
+                return dict(prior)
+        try:
+            result = compute(key is not None)
+        except OpError as exc:
+            if key is not None:  # a refusal is a decision too: every rank gets it
+                self.decisions.record(key, conn.info.rank, conn.info.group_size,
+                                      {"error": (exc.code, exc.message)}, time.monotonic())
+            raise
+        if key is not None:
+            self.decisions.record(key, conn.info.rank, conn.info.group_size, result, time.monotonic())
+            self._arm_reaper(self.decisions.next_expiry())
+        return dict(result)
+
+    def _arm_reaper(self, due) -> None:
+        if due is not None and due < self._reaper_due:
+            self._reaper_due = due
+            self.sidecar.call_at(due, self._reap)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        self._reaper_due = float("inf")
+        expired = self.leases.reap(now)
+        aborted = self.staging.reap(now)
+        self.decisions.expire(now)
+        if expired or aborted:
+            log.info("reaper: %d leases expired, %d stagings aborted", expired, aborted)
+        for due in (self.leases.next_deadline(), self.staging.next_deadline(), self.decisions.next_expiry()):
+            self._arm_reaper(due)
+
+    def _client_gone(self, conn) -> None:
+        if conn.info is None:
+            return
+        owner = self._owner(conn)
+        self.leases.client_gone(owner, conn.info.group, conn.info.rank)
+        self.staging.client_gone(conn.info.group, conn.info.rank)
+
+    # -- ops ------------------------------------------------------------------------------------
+    def op_lookup(self, conn, msg) -> dict:
+        return self._decided(conn, "lookup", msg, lambda grouped: {"hit": self.index.match(msg["chain"])})
+
+    def op_get(self, conn, msg) -> dict:
+        def compute(grouped: bool) -> dict:
+            chain = msg["chain"]
+            n = self.index.match(chain, msg.get("max_blocks"))
+            if n == 0:
+                return {"lease": 0, "blocks": b"", "count": 0}
+            blocks = self.index.resident_ids(chain, n)
+            new_pins = sum(1 for b in blocks if self.pool.refcount[b] == 0)
+            if (self.pool.pinned_blocks + new_pins) * self.pool.block_bytes > self.pinned_limit:
+                raise OpError(ErrorCode.LIMIT, f"pinning {new_pins} more blocks exceeds pinned_bytes_limit")
+            now = time.monotonic()
+            self.index.touch(blocks)
+            if grouped:
+                lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
+                                        group=conn.info.group, holders=range(conn.info.group_size))
+            else:
+                lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
+                                        owner=self._owner(conn))
+            self._arm_reaper(lease.deadline)
+            return {"lease": lease.id, "blocks": pack_ids(blocks), "count": n}
+
+        return self._decided(conn, "get", msg, compute)
+
+    def op_release(self, conn, msg) -> dict:
+        try:
+            held = self.leases.release(msg["lease"], self._owner(conn), conn.info.group, conn.info.rank)
+        except LeaseError as exc:
+            raise OpError(exc.code, exc.message) from None
+        return {"held": held}
+
+    def op_store(self, conn, msg) -> dict:
+        if self._decision_key(conn, "store", msg) is None and self.layout.writers() > 1:
+            raise OpError(ErrorCode.BAD_FIELD, "store from a TP group needs req and step (every shard must be written)")
+
+        def compute(grouped: bool) -> dict:
+            chain = msg["chain"]
+            total = len(chain) // KEY
+            start = self.index.match(chain)
+            # Blocks already being staged by someone else are not written twice: stop there.
+            end = start
+            while end < total and chain[end * KEY:(end + 1) * KEY] not in self.index.staging:
+                end += 1
+            want = end - start
+            if want == 0:
+                return {"staging": 0, "start": start, "count": 0, "blocks": b"", "resident": start}
+            room = (self.reserved_limit // self.pool.block_bytes) - self.staging.staged_blocks()
+            want = min(want, max(room, 0))
+            if want == 0:
+                raise OpError(ErrorCode.LIMIT, "reserved_bytes_limit reached: no staging available")
+            now = time.monotonic()
+            prefix_lease = None
+            parent = -1
+            if start:
+                prefix = self.index.resident_ids(chain, start)
+                parent = prefix[-1]
+                prefix_lease = self.leases.new(prefix, ttl_s=self.limits.staging_ttl_s, now=now,
+                                               kind="store_prefix", owner=("store", conn.info.group))
+            short = want - self.pool.free_count()
+            if short > 0:
+                self.index.evict(short)
+            blocks = self.pool.alloc(want)
+            if not blocks:
+                if prefix_lease is not None:
+                    self.leases.drop(prefix_lease, "store_refused")
+                raise OpError(ErrorCode.LIMIT, "pool full: every block is pinned or staging")
+            writers = {r for r in range(conn.info.group_size) if self.layout.writes(r)} if grouped \
+                else {conn.info.rank}
+            st = self.staging.open(group=conn.info.group, chain=chain[start * KEY:(start + len(blocks)) * KEY],
+                                   start=start, blocks=blocks, parent=parent, prefix_lease=prefix_lease,
+                                   writers=writers, ttl_s=self.limits.staging_ttl_s, now=now,
+                                   ns=msg.get("ns") or "", l3=bool(msg.get("l3")))
+            self._arm_reaper(st.deadline)
+            return {"staging": st.id, "start": start, "count": len(blocks), "blocks": pack_ids(blocks),
+                    "resident": start}
+
+        return self._decided(conn, "store", msg, compute)
+
+    def op_commit(self, conn, msg) -> dict:
+        st = self.staging.records.get(msg["staging"])
+        if st is None:
+            raise OpError(ErrorCode.UNKNOWN_ID, f"staging {msg['staging']} is not open (published, aborted or never issued)")
+        if st.group != conn.info.group:
+            raise OpError(ErrorCode.NOT_OWNER, f"staging {st.id} belongs to another group")
+        if conn.info.rank not in st.writers:
+            return {"published": False, "pending": len(st.writers)}
+        if msg.get("ok", True) is False:
+            self.staging.abort(st, "failed")
+            return {"published": False, "aborted": True}
+        done = self.staging.commit(st, conn.info.rank)
+        return {"published": done, "pending": len(st.writers), "count": len(st.blocks) if done else 0}
+
+    # -- observability --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        now = time.monotonic()
+        return {
+            "pool": self.pool.stats(),
+            "leases": self.leases.stats(now),
+            "store": {"open": len(self.staging.records), "staged_blocks": self.staging.staged_blocks(),
+                      "published_blocks": self.staging.published_blocks,
+                      "aborted_blocks": self.staging.aborted_blocks},
+            "decisions": {"open": len(self.decisions.records), "made": self.decisions.made,
+                          "replayed": self.decisions.hits},
+            "index": {"resident": len(self.index.blocks), "evictable": self.index.evictable()},
+        }
+
+    def check(self) -> str:
+        """Accounting invariants; '' when they hold, else what broke."""
+        try:
+            self.pool.check()
+            self.index.check()
+            pins = self.leases.pins_per_block()
+            for b in range(self.pool.num_blocks):
+                if self.pool.refcount[b] != pins.get(b, 0):
+                    return f"block {b}: refcount {self.pool.refcount[b]} != live lease pins {pins.get(b, 0)}"
+            if self.staging.staged_blocks() != self.pool.counts[1]:
+                return f"staging records hold {self.staging.staged_blocks()} blocks, pool {self.pool.counts[1]}"
+        except (PoolError, AssertionError) as exc:
+            return str(exc) or type(exc).__name__
+        return ""

@@ -1,0 +1,146 @@
+"""The lease table: who pins which resident blocks, until when.
+
+A lease pins its blocks (pool refcount +1 each) from creation until it is dropped,
+exactly once, by one of: release by its owner(s), its owner's death, TTL expiry
+(the reaper releases, never forgets), or sidecar shutdown.
+
+* **Plain lease**: owned by one client incarnation (slot + token).
+* **Group lease**: a decision shared by every rank of a TP group (DESIGN §6); each
+  rank holds one share and the lease drops when the last share is released.
+
+Release is idempotent: re-releasing a recently dropped lease answers "not held"
+instead of an error; a never-issued id is ``UNKNOWN_ID``; another client's lease is
+``NOT_OWNER``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+
+from shm.errors import ErrorCode
+
+from .index import PrefixIndex
+from .pool import BlockPool
+
+LEASE_ID_BASE = 1 << 40  # ids are namespaced by kind: leases here, staging ids elsewhere
+
+
+class LeaseError(Exception):
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class Lease:
+    id: int
+    blocks: list
+    deadline: float
+    kind: str
+    owner: tuple | None = None  # (slot, token) for a plain lease
+    group: str | None = None
+    holders: set | None = None  # ranks still holding a share (group lease)
+    created: float = 0.0
+
+
+class LeaseTable:
+    def __init__(self, pool: BlockPool, index: PrefixIndex, remember: int = 8192):
+        self.pool = pool
+        self.index = index
+        self.leases: dict[int, Lease] = {}
+        self._ids = itertools.count(LEASE_ID_BASE)
+        self._deadlines: list = []  # heap (deadline, id)
+        self._recent = collections.OrderedDict()  # recently dropped id -> None
+        self._remember = remember
+        self.counters = collections.Counter()
+
+    def new(self, blocks: list, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
+            holders=None) -> Lease:
+        lease = Lease(next(self._ids), list(blocks), now + ttl_s, kind, owner, group,
+                      set(holders) if holders is not None else None, now)
+        for b in lease.blocks:
+            self.pool.pin(b)
+            self.index.on_pinned(b)
+        self.leases[lease.id] = lease
+        heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+        self.counters[f"leases_{kind}"] += 1
+        return lease
+
+    def drop(self, lease: Lease, reason: str) -> None:
+        """Unpin and forget ``lease`` (exactly once)."""
+        if self.leases.pop(lease.id, None) is None:
+            return
+        for b in lease.blocks:
+            if self.pool.unpin(b):
+                self.index.on_unpinned(b)
+        self._recent[lease.id] = None
+        if len(self._recent) > self._remember:
+            self._recent.popitem(last=False)
+        self.counters[f"dropped_{reason}"] += 1
+
+    def release(self, lease_id: int, owner: tuple, group: str | None, rank: int) -> bool:
+        """Release the caller's hold; True if it held one.  Raises LeaseError on misuse."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            if lease_id in self._recent:
+                return False
+            raise LeaseError(ErrorCode.UNKNOWN_ID, f"lease {lease_id} was never issued here")
+        if lease.holders is None:
+            if lease.owner != owner:
+                raise LeaseError(ErrorCode.NOT_OWNER, f"lease {lease_id} belongs to another client")
+            self.drop(lease, "released")
+            return True
+        if lease.group != group:
+            raise LeaseError(ErrorCode.NOT_OWNER, f"lease {lease_id} belongs to another group")
+        if rank not in lease.holders:
+            return False
+        lease.holders.discard(rank)
+        if not lease.holders:
+            self.drop(lease, "released")
+        return True
+
+    def client_gone(self, owner: tuple, group: str | None, rank: int) -> int:
+        """Release everything a dead or detached client held; returns leases touched."""
+        touched = 0
+        for lease in list(self.leases.values()):
+            if lease.holders is None:
+                if lease.owner == owner:
+                    self.drop(lease, "client_gone")
+                    touched += 1
+            elif lease.group == group and rank in lease.holders:
+                lease.holders.discard(rank)
+                touched += 1
+                if not lease.holders:
+                    self.drop(lease, "client_gone")
+        return touched
+
+    def reap(self, now: float) -> int:
+        """Drop leases past their deadline; returns how many."""
+        n = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, lid = heapq.heappop(self._deadlines)
+            lease = self.leases.get(lid)
+            if lease is not None and lease.deadline <= now:
+                self.drop(lease, "expired")
+                n += 1
+        return n
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self.leases:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def pins_per_block(self) -> collections.Counter:
+        c = collections.Counter()
+        for lease in self.leases.values():
+            c.update(lease.blocks)
+        return c
+
+    def stats(self, now: float) -> dict:
+        ages = [now - l.created for l in self.leases.values()]
+        return {"live": len(self.leases), "oldest_age_s": round(max(ages), 3) if ages else 0.0,
+                **dict(self.counters)}

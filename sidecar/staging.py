@@ -1,0 +1,116 @@
+"""Staging for engine stores: blocks being written by the ranks of a group.
+
+A staging record owns STAGING blocks for keys ``chain[start:start+n]`` plus a lease
+on the resident prefix ``[0, start)`` (so the parent of the first staged block cannot
+be evicted before publication — no holes).  Each writer rank commits once; when every
+writer has committed the blocks are published in chain order and the prefix lease is
+dropped.  A failed commit, a writer's death or the TTL aborts: the blocks go back to
+FREE unpublished.  Exactly one of publish / abort happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+
+from .index import KEY, PrefixIndex
+from .leases import Lease, LeaseTable
+from .pool import BlockPool
+
+STAGING_ID_BASE = 2 << 40
+
+
+@dataclasses.dataclass
+class Staging:
+    id: int
+    group: str
+    chain: bytes  # keys of the staged blocks only
+    start: int  # index in the caller's chain of the first staged block
+    blocks: list
+    parent: int  # resident block before the first staged one (-1: chain head)
+    prefix_lease: Lease | None
+    writers: set  # ranks that still have to commit
+    deadline: float
+    ns: str = ""
+    l3: bool = False
+
+
+class StagingTable:
+    def __init__(self, pool: BlockPool, index: PrefixIndex, leases: LeaseTable):
+        self.pool = pool
+        self.index = index
+        self.leases = leases
+        self.records: dict[int, Staging] = {}
+        self._ids = itertools.count(STAGING_ID_BASE)
+        self._deadlines: list = []
+        self.published_blocks = 0
+        self.aborted_blocks = 0
+
+    def open(self, *, group: str, chain: bytes, start: int, blocks: list, parent: int,
+             prefix_lease: Lease | None, writers: set, ttl_s: float, now: float, ns: str = "",
+             l3: bool = False) -> Staging:
+        st = Staging(next(self._ids), group, chain, start, blocks, parent, prefix_lease, set(writers),
+                     now + ttl_s, ns, l3)
+        for i, b in enumerate(blocks):
+            self.index.staging[chain[i * KEY:(i + 1) * KEY]] = b
+        self.records[st.id] = st
+        heapq.heappush(self._deadlines, (st.deadline, st.id))
+        return st
+
+    def commit(self, st: Staging, rank: int) -> bool:
+        """Record ``rank``'s commit; True when this completed the record (now published)."""
+        st.writers.discard(rank)
+        if st.writers:
+            return False
+        self._publish(st)
+        return True
+
+    def _publish(self, st: Staging) -> None:
+        del self.records[st.id]
+        parent = st.parent
+        for i, b in enumerate(st.blocks):
+            key = st.chain[i * KEY:(i + 1) * KEY]
+            self.index.publish(key, b, parent)
+            parent = b
+        self.published_blocks += len(st.blocks)
+        if st.prefix_lease is not None:
+            self.leases.drop(st.prefix_lease, "store_done")
+
+    def abort(self, st: Staging, reason: str) -> None:
+        if self.records.pop(st.id, None) is None:
+            return
+        for i, b in enumerate(st.blocks):
+            key = st.chain[i * KEY:(i + 1) * KEY]
+            if self.index.staging.get(key) == b:
+                del self.index.staging[key]
+            self.pool.release_staging(b)
+        self.aborted_blocks += len(st.blocks)
+        if st.prefix_lease is not None:
+            self.leases.drop(st.prefix_lease, f"store_{reason}")
+
+    def client_gone(self, group: str | None, rank: int) -> int:
+        n = 0
+        for st in list(self.records.values()):
+            if st.group == group and rank in st.writers:
+                self.abort(st, "writer_gone")
+                n += 1
+        return n
+
+    def reap(self, now: float) -> int:
+        n = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, sid = heapq.heappop(self._deadlines)
+            st = self.records.get(sid)
+            if st is not None:
+                self.abort(st, "expired")
+                n += 1
+        return n
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self.records:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def staged_blocks(self) -> int:
+        return sum(len(st.blocks) for st in self.records.values())
