@@ -108,7 +108,10 @@ class KVConnector:
         return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"])
 
     def commit(self, staging, ok: bool = True) -> dict:
+        """Commit this rank's shard.  A non-writer rank (MLA, rank > 0) has nothing to commit."""
         sid = staging.id if isinstance(staging, Staging) else staging
+        if not self.layout.writes(self.rank) and ok:
+            return {"published": None, "writer": False}
         return self.client.call("commit", staging=sid, ok=ok)
 
     def stats(self, check: bool = False) -> dict:

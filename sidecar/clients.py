@@ -26,6 +26,7 @@ class ClientInfo:
     rank: int
     group_size: int
     pid: int
+    kv: bool = True  # attached with a matching KV layout (else: observer, ping/stats only)
 
 
 class ClientConn:

@@ -44,6 +44,7 @@ class KVCore:
         self._reaper_due = float("inf")
         sidecar.handlers.update({"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
                                  "store": self.op_store, "commit": self.op_commit})
+        sidecar.kv_ops.update(("lookup", "get", "release", "store", "commit"))
         sidecar.attach_validators.append(self._validate_attach)
         sidecar.client_gone_hooks.append(self._client_gone)
         sidecar.stats_providers.append(self.stats)

@@ -78,6 +78,7 @@ class SidecarHost:
         self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
         self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits)
         self._closed = False
+        self.exit_code = 0
 
     def ready_marker(self) -> Path:
         return Path(self.cfg.run_dir) / f"{self.cfg.instance}.ready"
@@ -105,10 +106,14 @@ class SidecarHost:
                 os.close(ready_fd)
 
     def close(self) -> None:
-        """Seal, release every client, unlink the segments (exactly once)."""
+        """Check the books, release every client, unlink the segments (exactly once)."""
         if self._closed:
             return
         self._closed = True
+        broken = "; ".join(filter(None, (check() for check in self.sidecar.invariant_checks)))
+        if broken:
+            log.error("accounting invariants broken at shutdown: %s", broken)
+            self.exit_code = 3
         self.sidecar.shutdown()
         try:
             self.ready_marker().unlink()
@@ -157,4 +162,4 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: host.sidecar.request_stop())
     signal.signal(signal.SIGINT, lambda *_: host.sidecar.request_stop())
     host.serve(args.ready_fd)
-    return 0
+    return host.exit_code

@@ -69,6 +69,7 @@ class Sidecar:
             "ping": self._op_ping,
             "stats": self._op_stats,
         }
+        self.kv_ops: set = set()  # ops that need a client attached with a layout
         self.attach_validators: list = []  # fn(conn, msg) raising OpError to refuse an attach
         self.invariant_checks: list = []  # fn() -> '' or a description of what broke
         self.client_gone_hooks: list = []  # fn(conn) called when a client detaches or dies
@@ -272,6 +273,9 @@ class Sidecar:
             return self._error(conn, rid, ErrorCode.UNKNOWN_OP, f"op {op!r} is not served by this sidecar")
         if not conn.attached and op != "attach":
             return self._error(conn, rid, ErrorCode.NOT_ATTACHED, f"{op} before attach")
+        if op in self.kv_ops and not conn.info.kv:
+            return self._error(conn, rid, ErrorCode.NOT_ATTACHED,
+                               f"{op} needs an attach with a KV layout (this client attached as an observer)")
         self.counters[f"op_{op}"] += 1
         try:
             result = handler(conn, msg)
@@ -302,19 +306,19 @@ class Sidecar:
             raise OpError(ErrorCode.NOT_OWNER, f"pid {msg['pid']} did not claim slot {conn.slot}")
         if not 1 <= msg["group_size"] <= 1024 or msg["rank"] >= msg["group_size"]:
             raise OpError(ErrorCode.BAD_FIELD, "rank must be < group_size <= 1024")
-        if self.layout is not None:
-            theirs = msg.get("layout")
-            if theirs is None:
-                raise OpError(ErrorCode.LAYOUT_MISMATCH, "attach carries no layout")
+        theirs = msg.get("layout")
+        if self.layout is not None and theirs is not None:
             for key in sorted(set(self.layout) | set(theirs)):
                 if self.layout.get(key) != theirs.get(key):
                     raise OpError(
                         ErrorCode.LAYOUT_MISMATCH,
                         f"layout field {key!r}: sidecar has {self.layout.get(key)!r}, client has {theirs.get(key)!r}",
                     )
-        for validate in self.attach_validators:
-            validate(conn, msg)
-        conn.info = ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"])
+        if theirs is not None:
+            for validate in self.attach_validators:
+                validate(conn, msg)
+        conn.info = ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"],
+                               kv=theirs is not None)
         self.ctl.set_slot(conn.slot, conn.pid, SLOT_ACTIVE)
         self.counters["attaches"] += 1
         return {"slot": conn.slot, "generation": self.ctl.generation, "pool": self.ctl.pool_name,

@@ -80,6 +80,7 @@ def sidecar_factory(instance):
     yield start
     for sp in started:
         rc = sp.stop()
+        # 0: clean; -9: killed by the test; 3 would mean broken accounting at shutdown
         assert rc in (0, -9), f"sidecar exited with {rc}"
     # A killed sidecar leaves its segments; the tests that kill one restart or clean up.
     for name in list(_our_segments()):

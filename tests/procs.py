@@ -44,3 +44,94 @@ def attach_and_wait(instance: str, conn) -> None:
     conn.recv()
     c.detach()
     conn.send("detached")
+
+
+# -- multi-rank KV workers ---------------------------------------------------------------------
+
+def make_kv(layout_dict: dict, rank: int, num_pages: int, seed: int):
+    """Engine KV tensors for one rank, filled with a pattern that depends on (seed, rank)."""
+    import torch
+
+    from shm.layout import KVLayout
+
+    lay = KVLayout(**layout_dict)
+    g = torch.Generator().manual_seed(seed * 1000 + lay.shard_of(rank))
+    shape = (num_pages, lay.tokens_per_block, lay.heads_per_shard, lay.head_dim)
+    return [tuple(torch.randint(-1000, 1000, shape, generator=g).to(torch.float16) for _ in range(lay.kv_factor))
+            for _ in range(lay.num_layers)]
+
+
+def pages_digest(kv, pages) -> str:
+    h = hashlib.sha256()
+    for layer in kv:
+        for t in layer:
+            for p in pages:
+                h.update(t[p].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def kv_rank_worker(instance: str, layout_dict: dict, rank: int, group: str, conn, namespace: str = "") -> None:
+    """A TP rank driven by commands over a pipe; replies (ok, result)."""
+    import torch
+
+    from connector.kv_client import KVConnector
+    from shm.errors import KvSidecarError
+    from shm.layout import KVLayout
+
+    lay = KVLayout(**layout_dict)
+    kc = KVConnector(instance, lay, rank=rank, group=group, namespace=namespace)
+    kv = None
+    leases = {}
+    while True:
+        if not conn.poll(60):
+            return
+        cmd, args = conn.recv()
+        try:
+            if cmd == "attach":
+                kc.attach()
+                res = kc.client.slot
+            elif cmd == "fill":  # engine tensors with a known pattern
+                kv = make_kv(layout_dict, rank, args["pages"], args["seed"])
+                res = pages_digest(kv, range(args["pages"]))
+            elif cmd == "chain":
+                res = kc.hasher.chain(args["tokens"])
+            elif cmd == "store":  # store pages [0, n) of the engine pool under the chain of tokens
+                chain = kc.hasher.chain(args["tokens"])
+                st = kc.store(chain, req=args.get("req"), step=args.get("step"))
+                pages = list(range(st.start, st.start + st.count))
+                kc.save(st, kv, pages)
+                if args.get("commit", True):
+                    r = kc.commit(st, ok=args.get("ok", True))
+                    res = {"staging": st.id, "start": st.start, "count": st.count, "published": r["published"]}
+                else:
+                    res = {"staging": st.id, "start": st.start, "count": st.count}
+            elif cmd == "commit":
+                res = kc.commit(args["staging"], ok=args.get("ok", True))["published"]
+            elif cmd == "lookup":
+                res = kc.lookup(kc.hasher.chain(args["tokens"]), req=args.get("req"), step=args.get("step"))
+            elif cmd == "get_load":  # get + load into fresh tensors, digest of the loaded pages
+                chain = kc.hasher.chain(args["tokens"])
+                lease = kc.get(chain, max_blocks=args.get("max_blocks"), req=args.get("req"), step=args.get("step"))
+                fresh = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+                pages = list(range(lease.count))
+                kc.load(lease, fresh, pages)
+                leases[lease.id] = lease
+                res = {"lease": lease.id, "count": lease.count, "digest": pages_digest(fresh, pages),
+                       "blocks": list(lease.blocks)}
+                if args.get("release", True):
+                    kc.release(lease)
+            elif cmd == "release":
+                res = kc.release(args["lease"])
+            elif cmd == "digest":
+                res = pages_digest(kv, args["pages"])
+            elif cmd == "stats":
+                res = kc.stats(check=True)
+            elif cmd == "detach":
+                kc.detach()
+                conn.send((True, None))
+                return
+            else:
+                raise ValueError(cmd)
+            conn.send((True, res))
+        except KvSidecarError as exc:
+            conn.send((False, (type(exc).__name__, getattr(exc, "code", None), str(exc))))

@@ -1,0 +1,193 @@
+"""Pool, index, leases and staging as plain objects: transitions, eviction, invariants."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shm.errors import ErrorCode
+from sidecar.index import PrefixIndex
+from sidecar.leases import LeaseError, LeaseTable
+from sidecar.pool import FREE, RESIDENT, STAGING, BlockPool, PoolError
+from sidecar.staging import StagingTable
+
+
+def key(*path) -> bytes:
+    return ("/".join(map(str, path))).encode().ljust(16, b".")[:16]
+
+
+def chain(prefix: str, n: int) -> bytes:
+    return b"".join(key(prefix, i) for i in range(n))
+
+
+def make(n=8):
+    pool = BlockPool(n, 100)
+    index = PrefixIndex(pool)
+    leases = LeaseTable(pool, index)
+    staging = StagingTable(pool, index, leases)
+    return pool, index, leases, staging
+
+
+def publish_chain(pool, index, ch: bytes, start_parent=-1):
+    blocks = pool.alloc(len(ch) // 16)
+    parent = start_parent
+    for i, b in enumerate(blocks):
+        index.publish(ch[i * 16:(i + 1) * 16], b, parent)
+        parent = b
+    return blocks
+
+
+def test_pool_transitions_and_check():
+    pool = BlockPool(4, 10)
+    a, b = pool.alloc(2)
+    assert pool.counts == {FREE: 2, STAGING: 2, RESIDENT: 0}
+    pool.publish(a)
+    pool.release_staging(b)
+    pool.pin(a)
+    with pytest.raises(PoolError):
+        pool.evict(a)
+    with pytest.raises(PoolError):
+        pool.publish(b)  # FREE, not STAGING
+    assert pool.unpin(a)
+    with pytest.raises(PoolError):
+        pool.unpin(a)
+    pool.evict(a)
+    pool.check()
+    assert pool.alloc(10) and pool.free_count() == 0
+
+
+def test_eviction_takes_leaves_lru_first_and_never_leaves_holes():
+    pool, index, leases, _ = make(8)
+    c1 = chain("a", 4)
+    b1 = publish_chain(pool, index, c1)
+    # a second chain sharing the first two blocks of c1
+    c2 = c1[:32] + chain("b", 2)
+    blocks2 = pool.alloc(2)
+    index.publish(c2[32:48], blocks2[0], b1[1])
+    index.publish(c2[48:64], blocks2[1], blocks2[0])
+    index.check()
+    assert index.match(c1) == 4 and index.match(c2) == 4
+    index.touch(b1)  # chain a is more recent than chain b
+    assert index.evict(1) == 1
+    assert index.match(c2) == 3 and index.match(c1) == 4  # b's leaf went first
+    lease = leases.new([b1[0], b1[1], b1[2], b1[3]], ttl_s=10, now=0, kind="get", owner=(0, 1))
+    assert index.evict(10) == 1  # only chain b's remaining block; chain a is pinned
+    assert index.match(c1) == 4 and index.match(c2) == 2
+    leases.drop(lease, "released")
+    assert index.evict(10) == 4
+    assert index.match(c1) == 0
+    index.check()
+    pool.check()
+
+
+def test_lease_release_rules():
+    pool, index, leases, _ = make(4)
+    blocks = publish_chain(pool, index, chain("x", 2))
+    plain = leases.new(blocks, ttl_s=5, now=0, kind="get", owner=(1, 7))
+    with pytest.raises(LeaseError) as ei:
+        leases.release(plain.id, (2, 9), "g", 0)
+    assert ei.value.code == ErrorCode.NOT_OWNER
+    assert leases.release(plain.id, (1, 7), "g", 0) is True
+    assert leases.release(plain.id, (1, 7), "g", 0) is False  # idempotent
+    with pytest.raises(LeaseError) as ei:
+        leases.release(12345, (1, 7), "g", 0)
+    assert ei.value.code == ErrorCode.UNKNOWN_ID
+    grp = leases.new(blocks, ttl_s=5, now=0, kind="get", group="g", holders=range(2))
+    with pytest.raises(LeaseError):
+        leases.release(grp.id, (3, 3), "other", 0)
+    assert leases.release(grp.id, (1, 7), "g", 0)
+    assert pool.refcount[blocks[0]] == 1
+    assert leases.release(grp.id, (1, 7), "g", 0) is False
+    assert leases.client_gone((2, 2), "g", 1) == 1  # the other rank dies: lease dropped
+    assert pool.pinned_blocks == 0
+    g2 = leases.new(blocks, ttl_s=5, now=0, kind="get", owner=(1, 7))
+    assert leases.reap(4.9) == 0 and leases.reap(5.0) == 1
+    assert g2.id not in leases.leases and pool.pinned_blocks == 0
+    index.check()
+
+
+def test_staging_publish_abort_and_writer_death():
+    pool, index, leases, staging = make(8)
+    c = chain("s", 4)
+    head = publish_chain(pool, index, c[:16])
+    pl = leases.new(head, ttl_s=10, now=0, kind="store_prefix", owner=("store", "g"))
+    st = staging.open(group="g", chain=c[16:], start=1, blocks=pool.alloc(3), parent=head[0], prefix_lease=pl,
+                      writers={0, 1}, ttl_s=10, now=0)
+    assert index.match(c) == 1
+    assert not staging.commit(st, 0)
+    assert index.match(c) == 1  # not published until every writer committed
+    assert staging.commit(st, 1)
+    assert index.match(c) == 4 and pool.pinned_blocks == 0
+    st2 = staging.open(group="g", chain=chain("t", 2), start=0, blocks=pool.alloc(2), parent=-1,
+                       prefix_lease=None, writers={0, 1}, ttl_s=10, now=0)
+    staging.commit(st2, 0)
+    assert staging.client_gone("g", 1) == 1  # rank 1 died before committing: nothing published
+    assert index.match(chain("t", 2)) == 0 and pool.counts[STAGING] == 0
+    st3 = staging.open(group="g", chain=chain("u", 1), start=0, blocks=pool.alloc(1), parent=-1,
+                       prefix_lease=None, writers={0}, ttl_s=1, now=0)
+    assert staging.reap(1.0) == 1 and st3.id not in staging.records
+    pool.check()
+    index.check()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "get", "release", "evict", "abort", "reap"]),
+                          st.integers(0, 5), st.integers(1, 6)), max_size=60))
+def test_random_operations_keep_every_invariant(ops):
+    pool, index, leases, staging = make(12)
+    live = []
+    opened = []
+    now = 0.0
+    for op, which, n in ops:
+        now += 0.1
+        c = chain(f"c{which % 3}", n)
+        if op == "store":
+            start = index.match(c)
+            end = start
+            while end < n and c[end * 16:(end + 1) * 16] not in index.staging:
+                end += 1
+            if end == start:
+                continue
+            pl = None
+            parent = -1
+            if start:
+                pre = index.resident_ids(c, start)
+                parent = pre[-1]
+                pl = leases.new(pre, ttl_s=1, now=now, kind="store_prefix", owner=("s", "g"))
+            short = (end - start) - pool.free_count()
+            if short > 0:
+                index.evict(short)
+            blocks = pool.alloc(end - start)
+            if not blocks:
+                if pl:
+                    leases.drop(pl, "refused")
+                continue
+            s = staging.open(group="g", chain=c[start * 16:(start + len(blocks)) * 16], start=start, blocks=blocks,
+                             parent=parent, prefix_lease=pl, writers={0}, ttl_s=1, now=now)
+            if which % 2:
+                staging.commit(s, 0)
+            else:
+                opened.append(s)
+        elif op == "get":
+            m = index.match(c)
+            if m:
+                live.append(leases.new(index.resident_ids(c, m), ttl_s=1, now=now, kind="get", owner=(0, 0)))
+        elif op == "release" and live:
+            leases.release(live.pop(which % len(live)).id, (0, 0), None, 0)
+        elif op == "evict":
+            index.evict(n)
+        elif op == "abort" and opened:
+            staging.abort(opened.pop(which % len(opened)), "test")
+        elif op == "reap":
+            now += 1.0
+            leases.reap(now)
+            staging.reap(now)
+        pool.check()
+        index.check()
+        pins = leases.pins_per_block()
+        assert all(pool.refcount[b] == pins.get(b, 0) for b in range(pool.num_blocks))
+        assert staging.staged_blocks() == pool.counts[STAGING]
+        # no holes: along every chain, resident blocks form a prefix
+        for w in range(3):
+            full = chain(f"c{w}", 6)
+            m = index.match(full)
+            assert all(full[i * 16:(i + 1) * 16] not in index.blocks for i in range(m + 1, 6))
