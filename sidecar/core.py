@@ -7,7 +7,6 @@ request carries ``req`` and ``step``: the first rank's answer is replayed to the
 
 from __future__ import annotations
 
-import array
 import logging
 import time
 
@@ -15,17 +14,12 @@ from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
 from .decisions import DecisionBook
-from .index import KEY, PrefixIndex
+from .index import KEY, PrefixIndex, unpack_ids
 from .leases import LeaseError, LeaseTable
-from .pool import BlockPool, PoolError
 from .server import OpError, Sidecar
 from .staging import StagingTable
 
 log = logging.getLogger(__name__)
-
-
-def pack_ids(ids) -> bytes:
-    return array.array("I", ids).tobytes()
 
 
 class KVCore:
@@ -33,10 +27,9 @@ class KVCore:
         self.sidecar = sidecar
         self.layout = layout
         self.limits = limits
-        self.pool = BlockPool(num_blocks, layout.block_bytes)
-        self.index = PrefixIndex(self.pool)
-        self.leases = LeaseTable(self.pool, self.index)
-        self.staging = StagingTable(self.pool, self.index, self.leases)
+        self.index = PrefixIndex(num_blocks, layout.block_bytes)
+        self.leases = LeaseTable(self.index)
+        self.staging = StagingTable(self.index, self.leases)
         self.decisions = DecisionBook(limits.decision_ttl_s)
         pool_bytes = num_blocks * layout.block_bytes
         self.reserved_limit = limits.reserved_bytes_limit or pool_bytes
@@ -116,12 +109,13 @@ class KVCore:
     def op_get(self, conn, msg) -> dict:
         def compute(grouped: bool) -> dict:
             chain = msg["chain"]
-            n = self.index.match(chain, msg.get("max_blocks"))
+            limit = msg.get("max_blocks")
+            n = self.index.match(chain, -1 if limit is None else limit)
             if n == 0:
                 return {"lease": 0, "blocks": b"", "count": 0}
             blocks = self.index.resident_ids(chain, n)
-            new_pins = sum(1 for b in blocks if self.pool.refcount[b] == 0)
-            if (self.pool.pinned_blocks + new_pins) * self.pool.block_bytes > self.pinned_limit:
+            new_pins = self.index.count_unpinned(blocks)
+            if (self.index.pinned + new_pins) * self.index.block_bytes > self.pinned_limit:
                 raise OpError(ErrorCode.LIMIT, f"pinning {new_pins} more blocks exceeds pinned_bytes_limit")
             now = time.monotonic()
             self.index.touch(blocks)
@@ -132,7 +126,7 @@ class KVCore:
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
                                         owner=self._owner(conn))
             self._arm_reaper(lease.deadline)
-            return {"lease": lease.id, "blocks": pack_ids(blocks), "count": n}
+            return {"lease": lease.id, "blocks": blocks, "count": n}
 
         return self._decided(conn, "get", msg, compute)
 
@@ -158,7 +152,7 @@ class KVCore:
             want = end - start
             if want == 0:
                 return {"staging": 0, "start": start, "count": 0, "blocks": b"", "resident": start}
-            room = (self.reserved_limit // self.pool.block_bytes) - self.staging.staged_blocks()
+            room = (self.reserved_limit // self.index.block_bytes) - self.index.staged
             want = min(want, max(room, 0))
             if want == 0:
                 raise OpError(ErrorCode.LIMIT, "reserved_bytes_limit reached: no staging available")
@@ -167,26 +161,26 @@ class KVCore:
             parent = -1
             if start:
                 prefix = self.index.resident_ids(chain, start)
-                parent = prefix[-1]
+                parent = unpack_ids(prefix[-4:])[0]
                 prefix_lease = self.leases.new(prefix, ttl_s=self.limits.staging_ttl_s, now=now,
                                                kind="store_prefix", owner=("store", conn.info.group))
-            short = want - self.pool.free_count()
+            short = want - self.index.free
             if short > 0:
                 self.index.evict(short)
-            blocks = self.pool.alloc(want)
+            blocks = self.index.alloc(want)
             if not blocks:
                 if prefix_lease is not None:
                     self.leases.drop(prefix_lease, "store_refused")
                 raise OpError(ErrorCode.LIMIT, "pool full: every block is pinned or staging")
             writers = {r for r in range(conn.info.group_size) if self.layout.writes(r)} if grouped \
                 else {conn.info.rank}
-            st = self.staging.open(group=conn.info.group, chain=chain[start * KEY:(start + len(blocks)) * KEY],
+            count = len(blocks) // 4
+            st = self.staging.open(group=conn.info.group, chain=chain[start * KEY:(start + count) * KEY],
                                    start=start, blocks=blocks, parent=parent, prefix_lease=prefix_lease,
                                    writers=writers, ttl_s=self.limits.staging_ttl_s, now=now,
                                    ns=msg.get("ns") or "", l3=bool(msg.get("l3")))
             self._arm_reaper(st.deadline)
-            return {"staging": st.id, "start": start, "count": len(blocks), "blocks": pack_ids(blocks),
-                    "resident": start}
+            return {"staging": st.id, "start": start, "count": count, "blocks": blocks, "resident": start}
 
         return self._decided(conn, "store", msg, compute)
 
@@ -202,33 +196,30 @@ class KVCore:
             self.staging.abort(st, "failed")
             return {"published": False, "aborted": True}
         done = self.staging.commit(st, conn.info.rank)
-        return {"published": done, "pending": len(st.writers), "count": len(st.blocks) if done else 0}
+        return {"published": done, "pending": len(st.writers), "count": len(st.blocks) // 4 if done else 0}
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> dict:
         now = time.monotonic()
         return {
-            "pool": self.pool.stats(),
+            "pool": self.index.stats(),
             "leases": self.leases.stats(now),
             "store": {"open": len(self.staging.records), "staged_blocks": self.staging.staged_blocks(),
                       "published_blocks": self.staging.published_blocks,
                       "aborted_blocks": self.staging.aborted_blocks},
             "decisions": {"open": len(self.decisions.records), "made": self.decisions.made,
                           "replayed": self.decisions.hits},
-            "index": {"resident": len(self.index.blocks), "evictable": self.index.evictable()},
         }
 
     def check(self) -> str:
         """Accounting invariants; '' when they hold, else what broke."""
-        try:
-            self.pool.check()
-            self.index.check()
-            pins = self.leases.pins_per_block()
-            for b in range(self.pool.num_blocks):
-                if self.pool.refcount[b] != pins.get(b, 0):
-                    return f"block {b}: refcount {self.pool.refcount[b]} != live lease pins {pins.get(b, 0)}"
-            if self.staging.staged_blocks() != self.pool.counts[1]:
-                return f"staging records hold {self.staging.staged_blocks()} blocks, pool {self.pool.counts[1]}"
-        except (PoolError, AssertionError) as exc:
-            return str(exc) or type(exc).__name__
+        broken = self.index.check()
+        if broken:
+            return broken
+        pins = self.leases.pins_per_block()
+        for b in range(self.index.num_blocks):
+            if self.index.refcount(b) != pins.get(b, 0):
+                return f"block {b}: refcount {self.index.refcount(b)} != live lease pins {pins.get(b, 0)}"
+        if self.staging.staged_blocks() != self.index.staged:
+            return f"staging records hold {self.staging.staged_blocks()} blocks, pool {self.index.staged}"
         return ""

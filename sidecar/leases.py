@@ -1,6 +1,6 @@
 """The lease table: who pins which resident blocks, until when.
 
-A lease pins its blocks (pool refcount +1 each) from creation until it is dropped,
+A lease pins its blocks (refcount +1 each) from creation until it is dropped,
 exactly once, by one of: release by its owner(s), its owner's death, TTL expiry
 (the reaper releases, never forgets), or sidecar shutdown.
 
@@ -22,8 +22,7 @@ import itertools
 
 from shm.errors import ErrorCode
 
-from .index import PrefixIndex
-from .pool import BlockPool
+from .index import PrefixIndex, unpack_ids
 
 LEASE_ID_BASE = 1 << 40  # ids are namespaced by kind: leases here, staging ids elsewhere
 
@@ -38,7 +37,7 @@ class LeaseError(Exception):
 @dataclasses.dataclass
 class Lease:
     id: int
-    blocks: list
+    blocks: bytes  # packed uint32 ids
     deadline: float
     kind: str
     owner: tuple | None = None  # (slot, token) for a plain lease
@@ -46,10 +45,13 @@ class Lease:
     holders: set | None = None  # ranks still holding a share (group lease)
     created: float = 0.0
 
+    @property
+    def count(self) -> int:
+        return len(self.blocks) // 4
+
 
 class LeaseTable:
-    def __init__(self, pool: BlockPool, index: PrefixIndex, remember: int = 8192):
-        self.pool = pool
+    def __init__(self, index: PrefixIndex, remember: int = 8192):
         self.index = index
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(LEASE_ID_BASE)
@@ -58,13 +60,11 @@ class LeaseTable:
         self._remember = remember
         self.counters = collections.Counter()
 
-    def new(self, blocks: list, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
+    def new(self, blocks: bytes, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
             holders=None) -> Lease:
-        lease = Lease(next(self._ids), list(blocks), now + ttl_s, kind, owner, group,
+        self.index.pin(blocks)
+        lease = Lease(next(self._ids), blocks, now + ttl_s, kind, owner, group,
                       set(holders) if holders is not None else None, now)
-        for b in lease.blocks:
-            self.pool.pin(b)
-            self.index.on_pinned(b)
         self.leases[lease.id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.id))
         self.counters[f"leases_{kind}"] += 1
@@ -74,9 +74,7 @@ class LeaseTable:
         """Unpin and forget ``lease`` (exactly once)."""
         if self.leases.pop(lease.id, None) is None:
             return
-        for b in lease.blocks:
-            if self.pool.unpin(b):
-                self.index.on_unpinned(b)
+        self.index.unpin(lease.blocks)
         self._recent[lease.id] = None
         if len(self._recent) > self._remember:
             self._recent.popitem(last=False)
@@ -137,10 +135,10 @@ class LeaseTable:
     def pins_per_block(self) -> collections.Counter:
         c = collections.Counter()
         for lease in self.leases.values():
-            c.update(lease.blocks)
+            c.update(unpack_ids(lease.blocks))
         return c
 
     def stats(self, now: float) -> dict:
-        ages = [now - l.created for l in self.leases.values()]
+        ages = [now - lease.created for lease in self.leases.values()]
         return {"live": len(self.leases), "oldest_age_s": round(max(ages), 3) if ages else 0.0,
                 **dict(self.counters)}

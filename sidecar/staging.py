@@ -14,9 +14,8 @@ import dataclasses
 import heapq
 import itertools
 
-from .index import KEY, PrefixIndex
+from .index import KEY, PrefixIndex, unpack_ids
 from .leases import Lease, LeaseTable
-from .pool import BlockPool
 
 STAGING_ID_BASE = 2 << 40
 
@@ -27,7 +26,7 @@ class Staging:
     group: str
     chain: bytes  # keys of the staged blocks only
     start: int  # index in the caller's chain of the first staged block
-    blocks: list
+    blocks: bytes  # packed uint32 ids
     parent: int  # resident block before the first staged one (-1: chain head)
     prefix_lease: Lease | None
     writers: set  # ranks that still have to commit
@@ -37,8 +36,7 @@ class Staging:
 
 
 class StagingTable:
-    def __init__(self, pool: BlockPool, index: PrefixIndex, leases: LeaseTable):
-        self.pool = pool
+    def __init__(self, index: PrefixIndex, leases: LeaseTable):
         self.index = index
         self.leases = leases
         self.records: dict[int, Staging] = {}
@@ -52,7 +50,7 @@ class StagingTable:
              l3: bool = False) -> Staging:
         st = Staging(next(self._ids), group, chain, start, blocks, parent, prefix_lease, set(writers),
                      now + ttl_s, ns, l3)
-        for i, b in enumerate(blocks):
+        for i, b in enumerate(unpack_ids(blocks)):
             self.index.staging[chain[i * KEY:(i + 1) * KEY]] = b
         self.records[st.id] = st
         heapq.heappush(self._deadlines, (st.deadline, st.id))
@@ -69,23 +67,23 @@ class StagingTable:
     def _publish(self, st: Staging) -> None:
         del self.records[st.id]
         parent = st.parent
-        for i, b in enumerate(st.blocks):
+        for i, b in enumerate(unpack_ids(st.blocks)):
             key = st.chain[i * KEY:(i + 1) * KEY]
             self.index.publish(key, b, parent)
             parent = b
-        self.published_blocks += len(st.blocks)
+        self.published_blocks += len(st.blocks) // 4
         if st.prefix_lease is not None:
             self.leases.drop(st.prefix_lease, "store_done")
 
     def abort(self, st: Staging, reason: str) -> None:
         if self.records.pop(st.id, None) is None:
             return
-        for i, b in enumerate(st.blocks):
+        for i, b in enumerate(unpack_ids(st.blocks)):
             key = st.chain[i * KEY:(i + 1) * KEY]
             if self.index.staging.get(key) == b:
                 del self.index.staging[key]
-            self.pool.release_staging(b)
-        self.aborted_blocks += len(st.blocks)
+            self.index.release_staging(b)
+        self.aborted_blocks += len(st.blocks) // 4
         if st.prefix_lease is not None:
             self.leases.drop(st.prefix_lease, f"store_{reason}")
 
@@ -113,4 +111,4 @@ class StagingTable:
         return self._deadlines[0][0] if self._deadlines else None
 
     def staged_blocks(self) -> int:
-        return sum(len(st.blocks) for st in self.records.values())
+        return sum(len(st.blocks) // 4 for st in self.records.values())

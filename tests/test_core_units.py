@@ -5,9 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shm.errors import ErrorCode
-from sidecar.index import PrefixIndex
+from sidecar.index import PoolError, PrefixIndex, pack_ids, unpack_ids
 from sidecar.leases import LeaseError, LeaseTable
-from sidecar.pool import FREE, RESIDENT, STAGING, BlockPool, PoolError
 from sidecar.staging import StagingTable
 
 
@@ -20,39 +19,49 @@ def chain(prefix: str, n: int) -> bytes:
 
 
 def make(n=8):
-    pool = BlockPool(n, 100)
-    index = PrefixIndex(pool)
-    leases = LeaseTable(pool, index)
-    staging = StagingTable(pool, index, leases)
-    return pool, index, leases, staging
+    index = PrefixIndex(n, 100)
+    leases = LeaseTable(index)
+    staging = StagingTable(index, leases)
+    return index, index, leases, staging
 
 
 def publish_chain(pool, index, ch: bytes, start_parent=-1):
-    blocks = pool.alloc(len(ch) // 16)
+    blocks = unpack_ids(index.alloc(len(ch) // 16))
     parent = start_parent
     for i, b in enumerate(blocks):
         index.publish(ch[i * 16:(i + 1) * 16], b, parent)
         parent = b
-    return blocks
+    return list(blocks)
+
+
+def counts(index):
+    return (index.free, index.staged, index.resident, index.pinned)
 
 
 def test_pool_transitions_and_check():
-    pool = BlockPool(4, 10)
-    a, b = pool.alloc(2)
-    assert pool.counts == {FREE: 2, STAGING: 2, RESIDENT: 0}
-    pool.publish(a)
-    pool.release_staging(b)
-    pool.pin(a)
+    index = PrefixIndex(4, 10)
+    a, b = unpack_ids(index.alloc(2))
+    assert counts(index) == (2, 2, 0, 0)
+    index.publish(key("a"), a, -1)
+    index.release_staging(b)
     with pytest.raises(PoolError):
-        pool.evict(a)
+        index.publish(key("b"), b, -1)  # FREE, not STAGING
+    c = unpack_ids(index.alloc(1))[0]
     with pytest.raises(PoolError):
-        pool.publish(b)  # FREE, not STAGING
-    assert pool.unpin(a)
+        index.publish(key("c"), c, 3)  # parent not resident
     with pytest.raises(PoolError):
-        pool.unpin(a)
-    pool.evict(a)
-    pool.check()
-    assert pool.alloc(10) and pool.free_count() == 0
+        index.publish(key("a"), c, -1)  # key already resident
+    index.release_staging(c)
+    assert index.pin(pack_ids([a, a])) == 1 and index.refcount(a) == 2
+    assert index.evict(5) == 0  # pinned: not evictable
+    index.unpin(pack_ids([a, a]))
+    with pytest.raises(PoolError):
+        index.unpin(pack_ids([a]))
+    with pytest.raises(PoolError):
+        index.pin(pack_ids([b]))  # not resident
+    assert index.check() == ""
+    assert index.evict(5) == 1 and counts(index) == (4, 0, 0, 0)
+    assert len(index.alloc(10)) == 16 and index.free == 0
 
 
 def test_eviction_takes_leaves_lru_first_and_never_leaves_holes():
@@ -61,27 +70,26 @@ def test_eviction_takes_leaves_lru_first_and_never_leaves_holes():
     b1 = publish_chain(pool, index, c1)
     # a second chain sharing the first two blocks of c1
     c2 = c1[:32] + chain("b", 2)
-    blocks2 = pool.alloc(2)
+    blocks2 = unpack_ids(index.alloc(2))
     index.publish(c2[32:48], blocks2[0], b1[1])
     index.publish(c2[48:64], blocks2[1], blocks2[0])
-    index.check()
+    assert index.check() == ""
     assert index.match(c1) == 4 and index.match(c2) == 4
-    index.touch(b1)  # chain a is more recent than chain b
+    index.touch(pack_ids(b1))  # chain a is more recent than chain b
     assert index.evict(1) == 1
     assert index.match(c2) == 3 and index.match(c1) == 4  # b's leaf went first
-    lease = leases.new([b1[0], b1[1], b1[2], b1[3]], ttl_s=10, now=0, kind="get", owner=(0, 1))
+    lease = leases.new(pack_ids(b1), ttl_s=10, now=0, kind="get", owner=(0, 1))
     assert index.evict(10) == 1  # only chain b's remaining block; chain a is pinned
     assert index.match(c1) == 4 and index.match(c2) == 2
     leases.drop(lease, "released")
     assert index.evict(10) == 4
     assert index.match(c1) == 0
-    index.check()
-    pool.check()
+    assert index.check() == ""
 
 
 def test_lease_release_rules():
     pool, index, leases, _ = make(4)
-    blocks = publish_chain(pool, index, chain("x", 2))
+    blocks = pack_ids(publish_chain(pool, index, chain("x", 2)))
     plain = leases.new(blocks, ttl_s=5, now=0, kind="get", owner=(1, 7))
     with pytest.raises(LeaseError) as ei:
         leases.release(plain.id, (2, 9), "g", 0)
@@ -95,38 +103,37 @@ def test_lease_release_rules():
     with pytest.raises(LeaseError):
         leases.release(grp.id, (3, 3), "other", 0)
     assert leases.release(grp.id, (1, 7), "g", 0)
-    assert pool.refcount[blocks[0]] == 1
+    assert index.refcount(unpack_ids(blocks)[0]) == 1
     assert leases.release(grp.id, (1, 7), "g", 0) is False
     assert leases.client_gone((2, 2), "g", 1) == 1  # the other rank dies: lease dropped
-    assert pool.pinned_blocks == 0
+    assert index.pinned == 0
     g2 = leases.new(blocks, ttl_s=5, now=0, kind="get", owner=(1, 7))
     assert leases.reap(4.9) == 0 and leases.reap(5.0) == 1
-    assert g2.id not in leases.leases and pool.pinned_blocks == 0
-    index.check()
+    assert g2.id not in leases.leases and index.pinned == 0
+    assert index.check() == ""
 
 
 def test_staging_publish_abort_and_writer_death():
     pool, index, leases, staging = make(8)
     c = chain("s", 4)
     head = publish_chain(pool, index, c[:16])
-    pl = leases.new(head, ttl_s=10, now=0, kind="store_prefix", owner=("store", "g"))
-    st = staging.open(group="g", chain=c[16:], start=1, blocks=pool.alloc(3), parent=head[0], prefix_lease=pl,
+    pl = leases.new(pack_ids(head), ttl_s=10, now=0, kind="store_prefix", owner=("store", "g"))
+    st = staging.open(group="g", chain=c[16:], start=1, blocks=index.alloc(3), parent=head[0], prefix_lease=pl,
                       writers={0, 1}, ttl_s=10, now=0)
     assert index.match(c) == 1
     assert not staging.commit(st, 0)
     assert index.match(c) == 1  # not published until every writer committed
     assert staging.commit(st, 1)
-    assert index.match(c) == 4 and pool.pinned_blocks == 0
-    st2 = staging.open(group="g", chain=chain("t", 2), start=0, blocks=pool.alloc(2), parent=-1,
+    assert index.match(c) == 4 and index.pinned == 0
+    st2 = staging.open(group="g", chain=chain("t", 2), start=0, blocks=index.alloc(2), parent=-1,
                        prefix_lease=None, writers={0, 1}, ttl_s=10, now=0)
     staging.commit(st2, 0)
     assert staging.client_gone("g", 1) == 1  # rank 1 died before committing: nothing published
-    assert index.match(chain("t", 2)) == 0 and pool.counts[STAGING] == 0
-    st3 = staging.open(group="g", chain=chain("u", 1), start=0, blocks=pool.alloc(1), parent=-1,
+    assert index.match(chain("t", 2)) == 0 and index.staged == 0
+    st3 = staging.open(group="g", chain=chain("u", 1), start=0, blocks=index.alloc(1), parent=-1,
                        prefix_lease=None, writers={0}, ttl_s=1, now=0)
     assert staging.reap(1.0) == 1 and st3.id not in staging.records
-    pool.check()
-    index.check()
+    assert index.check() == ""
 
 
 @settings(max_examples=200, deadline=None)
@@ -151,17 +158,17 @@ def test_random_operations_keep_every_invariant(ops):
             parent = -1
             if start:
                 pre = index.resident_ids(c, start)
-                parent = pre[-1]
+                parent = unpack_ids(pre)[-1]
                 pl = leases.new(pre, ttl_s=1, now=now, kind="store_prefix", owner=("s", "g"))
-            short = (end - start) - pool.free_count()
+            short = (end - start) - index.free
             if short > 0:
                 index.evict(short)
-            blocks = pool.alloc(end - start)
+            blocks = index.alloc(end - start)
             if not blocks:
                 if pl:
                     leases.drop(pl, "refused")
                 continue
-            s = staging.open(group="g", chain=c[start * 16:(start + len(blocks)) * 16], start=start, blocks=blocks,
+            s = staging.open(group="g", chain=c[start * 16:(start + len(blocks) // 4) * 16], start=start, blocks=blocks,
                              parent=parent, prefix_lease=pl, writers={0}, ttl_s=1, now=now)
             if which % 2:
                 staging.commit(s, 0)
@@ -181,13 +188,12 @@ def test_random_operations_keep_every_invariant(ops):
             now += 1.0
             leases.reap(now)
             staging.reap(now)
-        pool.check()
-        index.check()
+        assert index.check() == ""
         pins = leases.pins_per_block()
-        assert all(pool.refcount[b] == pins.get(b, 0) for b in range(pool.num_blocks))
-        assert staging.staged_blocks() == pool.counts[STAGING]
+        assert all(index.refcount(b) == pins.get(b, 0) for b in range(index.num_blocks))
+        assert staging.staged_blocks() == index.staged
         # no holes: along every chain, resident blocks form a prefix
         for w in range(3):
             full = chain(f"c{w}", 6)
             m = index.match(full)
-            assert all(full[i * 16:(i + 1) * 16] not in index.blocks for i in range(m + 1, 6))
+            assert all(index.find(full[i * 16:(i + 1) * 16]) < 0 for i in range(m + 1, 6))
