@@ -116,6 +116,7 @@ def run(quick: bool = False) -> dict:
     res.update(_bench_load(quick))
     res.update(_bench_get_release(quick))
     res.update(_bench_index_memory(quick))
+    res.update(_bench_teardown(quick))
     return res
 
 
@@ -127,4 +128,79 @@ def table(r: dict):
         ("load_correct", r["load_correct"], "loaded tensors equal the stored ones"),
         ("get_release_us_512", r["get_release_us_512"], "sidecar CPU per get + release of 512 blocks; target <= 50"),
         ("index_bytes_per_block", r["index_bytes_per_block"], f"at {r['index_blocks']} resident blocks (native arrays + hash table)"),
+        ("teardown_ms_per_gib_4k", r["teardown_ms_per_gib_4k"], "kill -9 of a process that touched the pool -> exit observed, 4 KiB pages"),
+        ("teardown_ms_per_gib_huge", r["teardown_ms_per_gib_huge"] if r["teardown_ms_per_gib_huge"] is not None else "n/a",
+         "same, hugetlbfs 2 MiB pages (n/a: no huge pages on this machine)"),
     ]
+
+
+def _toucher(pool_name: str, conn) -> None:
+    """Map the pool and touch every 4 KiB page, then wait to be killed."""
+    from shm.segment import Segment
+
+    seg = Segment.attach(pool_name)
+    view = seg.view
+    total = 0
+    for off in range(0, seg.size, 4096):
+        total += view[off]
+    conn.send(total)
+    conn.recv()
+
+
+def _teardown_ms(pool_name: str, size: int) -> float:
+    """kill -9 of a process that mapped and touched the pool → its exit observable (pidfd)."""
+    import multiprocessing as mp
+    import select
+    import signal
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_toucher, args=(pool_name, b))
+    p.start()
+    a.recv()
+    fd = os.pidfd_open(p.pid)
+    t0 = time.perf_counter()
+    os.kill(p.pid, signal.SIGKILL)
+    select.select([fd], [], [], 10)
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    p.join(5)
+    return dt * 1e3 / (size / (1 << 30))
+
+
+def _bench_teardown(quick: bool) -> dict:
+    size_gib = 0.5 if quick else 1.0
+    lay = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, tokens_per_block=64, tp_size=1)
+    blocks = int(size_gib * (1 << 30)) // lay.block_bytes
+    over = {f"layout.{k}": v for k, v in lay.as_dict().items()}
+    over["pool.num_blocks"] = blocks
+    res = {"teardown_pool_gib": size_gib}
+    with SidecarProcess(f"kvsbenchtd{os.getpid()}", overrides=over) as sc:
+        from shm.control import ControlSegment
+        from shm.segment import Segment
+
+        seg = Segment.attach(f"/kvsbenchtd{os.getpid()}.ctl", readonly=True)
+        pool_name = ControlSegment(seg).pool_name
+        seg.close()
+        res["teardown_ms_per_gib_4k"] = min(_teardown_ms(pool_name, blocks * lay.block_bytes) for _ in range(3))
+        del sc
+    huge = _hugetlbfs_dir(blocks * lay.block_bytes)
+    if huge:
+        over["pool.hugepage_dir"] = huge
+        with SidecarProcess(f"kvsbenchtdh{os.getpid()}", overrides=over):
+            path = os.path.join(huge, f"kvsbenchtdh{os.getpid()}.pool")
+            res["teardown_ms_per_gib_huge"] = min(_teardown_ms(path, blocks * lay.block_bytes) for _ in range(3))
+    else:
+        res["teardown_ms_per_gib_huge"] = None
+    return res
+
+
+def _hugetlbfs_dir(size: int):
+    try:
+        with open("/proc/meminfo") as f:
+            free = int(next(line for line in f if line.startswith("HugePages_Free")).split()[1])
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[2] == "hugetlbfs"]
+    except (OSError, StopIteration):
+        return None
+    return mounts[0] if mounts and free * (2 << 20) >= size else None

@@ -16,10 +16,13 @@ from shm.segment import Segment, unlink_segment
 
 log = logging.getLogger(__name__)
 
+HUGE_PAGE = 2 << 20
+
 
 def create_pool_segment(cfg, size: int) -> Segment:
     if cfg.pool.hugepage_dir:
         name = f"{cfg.pool.hugepage_dir.rstrip('/')}/{cfg.instance}.pool"
+        size = (size + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # hugetlbfs sizes are whole pages
         seg = Segment.create_file(name, size, replace_stale=True)
     else:
         unlink_segment(cfg.pool_name)

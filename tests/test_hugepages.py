@@ -1,0 +1,51 @@
+"""A hugepage-backed pool (hugetlbfs): same ops, same bytes; skipped where huge pages are unavailable."""
+
+import os
+
+import pytest
+import torch
+
+from connector.kv_client import KVConnector
+from shm.layout import KVLayout
+
+
+def hugetlbfs_mount(need_pages: int):
+    try:
+        with open("/proc/meminfo") as f:
+            free = int(next(line for line in f if line.startswith("HugePages_Free")).split()[1])
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[2] == "hugetlbfs"]
+    except (OSError, StopIteration):
+        return None
+    if free < need_pages or not mounts:
+        return None
+    return mounts[0]
+
+
+@pytest.fixture
+def huge_dir(tmp_path):
+    d = hugetlbfs_mount(4)
+    if d is None:
+        pytest.skip("no hugetlbfs mount with free 2 MiB pages on this machine")
+    return d
+
+
+def test_hugepage_pool_round_trip(sidecar_factory, instance, huge_dir):
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16, tp_size=1)
+    over = {f"layout.{k}": v for k, v in lay.as_dict().items()}
+    over.update({"pool.num_blocks": 64, "pool.hugepage_dir": huge_dir})
+    sidecar_factory(**over)
+    path = os.path.join(huge_dir, f"{instance}.pool")
+    assert os.path.exists(path) and os.stat(path).st_mode & 0o777 == 0o600
+    with KVConnector(instance, lay) as c:
+        assert c.pool.name == path
+        kv = [tuple(torch.randn(20, 16, 2, 32).half() for _ in range(2)) for _ in range(2)]
+        chain = c.hasher.chain(list(range(16 * 20)))
+        st = c.store(chain)
+        c.save(st, kv, list(range(st.count)))
+        c.commit(st)
+        lease = c.get(chain)
+        out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+        c.load(lease, out, list(range(lease.count)))
+        c.release(lease)
+        assert all(torch.equal(a, b) for la, lb in zip(kv, out) for a, b in zip(la, lb))
