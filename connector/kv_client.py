@@ -110,6 +110,8 @@ class KVConnector:
     def commit(self, staging, ok: bool = True) -> dict:
         """Commit this rank's shard.  A non-writer rank (MLA, rank > 0) has nothing to commit."""
         sid = staging.id if isinstance(staging, Staging) else staging
+        if not sid:
+            return {"published": False, "nothing_to_write": True}
         if not self.layout.writes(self.rank) and ok:
             return {"published": None, "writer": False}
         return self.client.call("commit", staging=sid, ok=ok)

@@ -135,3 +135,75 @@ def kv_rank_worker(instance: str, layout_dict: dict, rank: int, group: str, conn
             conn.send((True, res))
         except KvSidecarError as exc:
             conn.send((False, (type(exc).__name__, getattr(exc, "code", None), str(exc))))
+
+
+def page_pattern(tokens, rank_shard: int, layer: int, kv: int, shape):
+    """KV content of one page as a pure function of its tokens (so any writer agrees)."""
+    import torch
+
+    seed = (hash(tuple(tokens)) ^ (rank_shard * 1_000_003 + layer * 101 + kv)) & 0x7FFFFFFF
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-500, 500, shape, generator=g).to(torch.float16)
+
+
+def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, seed: int, steps: int,
+                     skew_s: float, conn) -> None:
+    """Run ``steps`` of store / get+load+verify / release with a shared system prompt.
+
+    Every rank of a group runs the same (seeded) request sequence at its own pace; it
+    reports the decisions it saw (so the test can compare ranks) and any data mismatch.
+    """
+    import random
+    import time
+
+    import torch
+
+    from connector.kv_client import KVConnector
+    from shm.errors import ErrorCode, RemoteError
+    from shm.layout import KVLayout
+
+    lay = KVLayout(**layout_dict)
+    T = lay.tokens_per_block
+    shard = lay.shard_of(rank)
+    kc = KVConnector(instance, lay, rank=rank, group=group)
+    kc.attach()
+    rng = random.Random(seed)  # the request stream: identical on every rank of the group
+    skew_rng = random.Random(seed * 7 + rank)  # per-rank timing only
+    shape = (lay.tokens_per_block, lay.heads_per_shard, lay.head_dim)
+    n_pages = 16
+    kv = [tuple(torch.zeros((n_pages,) + shape, dtype=torch.float16) for _ in range(lay.kv_factor))
+          for _ in range(lay.num_layers)]
+    system = list(range(2 * T))
+    decisions, bad, limited = [], 0, 0
+    for step in range(steps):
+        tokens = system + [rng.randrange(1000, 50000) for _ in range(rng.randrange(1, 10) * T)]
+        tokens = tokens[: n_pages * T]
+        chain = kc.hasher.chain(tokens)
+        npg = len(chain) // 16
+        for p in range(npg):
+            for layer in range(lay.num_layers):
+                for k in range(lay.kv_factor):
+                    kv[layer][k][p] = page_pattern(tokens[p * T:(p + 1) * T], shard, layer, k, shape)
+        try:
+            st = kc.store(chain, req=f"s{step}", step=2 * step)
+        except RemoteError as exc:  # a full pool is a group decision too: both ranks see it
+            assert exc.code == ErrorCode.LIMIT, exc
+            decisions.append(("limit", step))
+            limited += 1
+            continue
+        kc.save(st, kv, list(range(st.start, st.start + st.count)))
+        kc.commit(st)
+        if skew_s:
+            time.sleep(skew_rng.random() * skew_s if rank else 0)
+        lease = kc.get(chain, req=f"s{step}", step=2 * step + 1)
+        out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+        kc.load(lease, out, list(range(lease.count)))
+        for p in range(lease.count):
+            for layer in range(lay.num_layers):
+                for k in range(lay.kv_factor):
+                    want = page_pattern(tokens[p * T:(p + 1) * T], shard, layer, k, shape)
+                    bad += not torch.equal(out[layer][k][p], want)
+        kc.release(lease)
+        decisions.append((st.id, st.start, st.count, lease.id, lease.count))
+    kc.detach()
+    conn.send((decisions, bad, limited))

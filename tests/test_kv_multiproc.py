@@ -269,3 +269,31 @@ def test_layout_mismatch_names_the_field(sidecar_factory, instance):
         with pytest.raises(RemoteError) as ei:
             observer.call("lookup", chain=b"")
         assert ei.value.code == ErrorCode.NOT_ATTACHED
+
+
+def test_concurrent_groups_with_skewed_ranks_agree_and_verify(sidecar_factory, instance, spawn_ctx):
+    """2 groups x 2 ranks running at once, ranks skewed: identical decisions, exact data, no leaks."""
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, tp_size=2)
+    sidecar_factory(**layout_overrides(lay, num_blocks=48))  # small: evictions happen
+    jobs = []
+    for gi, group in enumerate(("G0", "G1")):
+        for rank in range(2):
+            a, b = spawn_ctx.Pipe()
+            p = spawn_ctx.Process(target=procs.kv_stress_worker,
+                                  args=(instance, lay.as_dict(), rank, group, 100 + gi, 40, 0.003, b))
+            p.start()
+            jobs.append((group, rank, a, p))
+    results = {}
+    for group, rank, a, p in jobs:
+        assert a.poll(120), f"{group}/{rank} hung"
+        results[(group, rank)] = a.recv()
+        p.join(10)
+        assert p.exitcode == 0
+    for group in ("G0", "G1"):
+        d0, bad0, lim0 = results[(group, 0)]
+        d1, bad1, lim1 = results[(group, 1)]
+        assert bad0 == 0 and bad1 == 0 and lim0 == lim1 < 20
+        assert d0 == d1  # every store and get decision identical across the group's ranks
+        assert any(len(d) == 5 and d[4] > 0 for d in d0), d0
+    s = checked_stats(instance, lay)
+    assert s["leases"]["live"] == 0 and s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0
