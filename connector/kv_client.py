@@ -104,7 +104,7 @@ class KVConnector:
         return self.client.call("release", lease=lid)["held"]
 
     def store(self, chain: bytes, l3: bool = False, **group) -> Staging:
-        r = self.client.call("store", chain=chain, l3=l3 or None, **group)
+        r = self.client.call("store", chain=chain, l3=l3 or None, ns=self.hasher.namespace or None, **group)
         return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"])
 
     def commit(self, staging, ok: bool = True) -> dict:
@@ -115,6 +115,10 @@ class KVConnector:
         if not self.layout.writes(self.rank) and ok:
             return {"published": None, "writer": False}
         return self.client.call("commit", staging=sid, ok=ok)
+
+    def restore(self, chain: bytes, timeout_s: float | None = None) -> dict:
+        """Whole-chain restore from L3 into the pool (waits until done); then lookup/get."""
+        return self.client.call("restore", chain=chain, ns=self.hasher.namespace or None, timeout_s=timeout_s)
 
     def stats(self, check: bool = False) -> dict:
         r = self.client.call("stats", check=check or None)

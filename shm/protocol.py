@@ -64,6 +64,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "release": OpSchema({"lease": INT}),
     "store": OpSchema({"chain": CHAIN}, {"ns": STR, "l3": BOOL, **_TP}),
     "commit": OpSchema({"staging": INT}, {"ok": BOOL}),
+    "restore": OpSchema({"chain": CHAIN}, {"ns": STR}),
     "prefetch": OpSchema(
         {"req": STR, "chain": CHAIN},
         {"ns": STR, "attempt": INT, "policy": STR, "timeout_s": FLOAT, "chunk_max_blocks": INT,

@@ -56,6 +56,29 @@ class LimitsConfig:
 
 
 @dataclasses.dataclass
+class L3Config:
+    """The remote tier.  ``backend``: "file" (embedded, the default), "mooncake" or "none"."""
+
+    backend: str = "file"
+    file_dir: str = ""  # default: <run_dir>/<instance>-l3
+    file_cap_bytes: int = 0  # 0 = unlimited
+    file_fsync: bool = False
+    mooncake_master: str = ""  # host:port of a running master
+    spawn_local_master: bool = False  # or start one on 127.0.0.1 (demo, tests)
+    mooncake_protocol: str = "tcp"
+    mooncake_global_segment_bytes: int = 256 << 20
+    mooncake_local_buffer_bytes: int = 64 << 20
+    setup_timeout_s: float = 5.0
+    # shaping / faults (tests and benchmarks)
+    latency_ms: float = 0.0
+    bandwidth_mbps: float = 0.0
+    fail: str = ""  # "", "first", "tail", "random", "keys"
+    fail_prob: float = 0.0
+    fail_keys: list = dataclasses.field(default_factory=list)
+    hang: bool = False
+
+
+@dataclasses.dataclass
 class SidecarConfig:
     instance: str = "kvsidecar"
     run_dir: str = "/tmp/kvsidecar"  # ready marker and logs
@@ -63,6 +86,7 @@ class SidecarConfig:
     layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
     pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
+    l3: L3Config = dataclasses.field(default_factory=L3Config)
 
     def validate(self) -> None:
         t = self.transport
@@ -79,6 +103,10 @@ class SidecarConfig:
         for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
             if getattr(self.limits, name) < 0:
                 raise ConfigError(f"limits.{name} must be >= 0")
+        if self.l3.backend not in ("file", "mooncake", "none"):
+            raise ConfigError("l3.backend must be file, mooncake or none")
+        if self.l3.fail not in ("", "first", "tail", "random", "keys"):
+            raise ConfigError("l3.fail must be one of '', first, tail, random, keys")
         try:
             self.kv_layout()
         except ValueError as exc:

@@ -35,6 +35,7 @@ class KVCore:
         self.reserved_limit = limits.reserved_bytes_limit or pool_bytes
         self.pinned_limit = limits.pinned_bytes_limit or pool_bytes
         self._reaper_due = float("inf")
+        self.publish_hooks: list = []  # fn(staging) after an engine store was published
         sidecar.handlers.update({"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
                                  "store": self.op_store, "commit": self.op_commit})
         sidecar.kv_ops.update(("lookup", "get", "release", "store", "commit"))
@@ -196,6 +197,9 @@ class KVCore:
             self.staging.abort(st, "failed")
             return {"published": False, "aborted": True}
         done = self.staging.commit(st, conn.info.rank)
+        if done:
+            for hook in self.publish_hooks:
+                hook(st)
         return {"published": done, "pending": len(st.writers), "count": len(st.blocks) // 4 if done else 0}
 
     # -- observability --------------------------------------------------------------------------

@@ -21,6 +21,9 @@ from shm.segment import Segment, segment_exists, unlink_segment
 
 from .config import SidecarConfig, load_config
 from .core import KVCore
+from .l3.base import L3Error
+from .l3.tier import L3Tier
+from .l3ops import L3Ops
 from .pool_memory import create_pool_segment
 from .server import Sidecar
 
@@ -77,8 +80,21 @@ class SidecarHost:
         self.ctl.set_pool_name(self.pool_segment.name)
         self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
         self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits)
+        self.master = None
+        self.tier = None
         self._closed = False
         self.exit_code = 0
+        try:
+            backend = build_backend(cfg, self)
+            if backend is not None:
+                backend.register_pool(self.pool_segment.address, self.pool_segment.size)
+                self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
+                                   pool_address=self.pool_segment.address, block_bytes=layout.block_bytes)
+                L3Ops(self.core, self.tier)
+                self.tier.start()
+        except BaseException:
+            self.close()
+            raise
 
     def ready_marker(self) -> Path:
         return Path(self.cfg.run_dir) / f"{self.cfg.instance}.ready"
@@ -110,11 +126,16 @@ class SidecarHost:
         if self._closed:
             return
         self._closed = True
+        if self.tier is not None:
+            self.tier.stop()  # in-flight L3 calls finish; their completions run below
+            self.sidecar.run_pending_events()
         broken = "; ".join(filter(None, (check() for check in self.sidecar.invariant_checks)))
         if broken:
-            log.error("accounting invariants broken at shutdown: %s", broken)
+            log.error("accounting invariants broken after draining L3: %s", broken)
             self.exit_code = 3
         self.sidecar.shutdown()
+        if self.master is not None:
+            self.master.stop()
         try:
             self.ready_marker().unlink()
         except FileNotFoundError:
@@ -123,6 +144,37 @@ class SidecarHost:
             seg.unlink()
             seg.close()
         log.info("sidecar %s stopped; segments unlinked", self.cfg.instance)
+
+
+def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
+    """The configured L3 backend (wrapped for shaping/faults when asked), or None."""
+    from .l3.filestore import FileStore
+    from .l3.shaped import ShapedBackend
+
+    c = cfg.l3
+    if c.backend == "none":
+        return None
+    if c.backend == "file":
+        backend = FileStore(c.file_dir or os.path.join(cfg.run_dir, f"{cfg.instance}-l3"), c.file_cap_bytes,
+                            c.file_fsync)
+    else:
+        from .l3.master import MooncakeMaster
+        from .l3.mooncake import MooncakeBackend
+
+        master = c.mooncake_master
+        if c.spawn_local_master:
+            host.master = MooncakeMaster()
+            master = host.master.address
+        if not master:
+            raise L3Error("l3.backend = mooncake needs l3.mooncake_master or l3.spawn_local_master")
+        backend = MooncakeBackend(master, protocol=c.mooncake_protocol,
+                                  global_segment_bytes=c.mooncake_global_segment_bytes,
+                                  local_buffer_bytes=c.mooncake_local_buffer_bytes,
+                                  setup_timeout_s=c.setup_timeout_s)
+    if c.latency_ms or c.bandwidth_mbps or c.fail or c.hang:
+        backend = ShapedBackend(backend, latency_s=c.latency_ms / 1e3, bandwidth_bps=c.bandwidth_mbps * 1e6 / 8,
+                                fail=c.fail, fail_prob=c.fail_prob, fail_keys=tuple(c.fail_keys), hang=c.hang)
+    return backend
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -158,7 +210,11 @@ def main(argv=None) -> int:
     if args.instance:
         overrides["instance"] = args.instance
     cfg = load_config(args.config, overrides)
-    host = SidecarHost(cfg)
+    try:
+        host = SidecarHost(cfg)
+    except (L3Error, SegmentError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: host.sidecar.request_stop())
     signal.signal(signal.SIGINT, lambda *_: host.sidecar.request_stop())
     host.serve(args.ready_fd)

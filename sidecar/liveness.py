@@ -68,7 +68,8 @@ class LivenessMonitor:
     def stop(self) -> None:
         self._stop = True
         os.eventfd_write(self._wake_fd, 1)
-        self._thread.join(timeout=2.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
         with self._lock:
             for fd in list(self._watches):
                 os.close(fd)

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 MAX_IDLE_SLEEP_S = 30.0  # bound on any sleep, even with no timers at all
 
 
+DEFERRED = object()  # a handler's result meaning "the completion comes later, via reply()"
+
+
 class OpError(Exception):
     """Raised by an op handler to answer with an error completion."""
 
@@ -248,7 +251,9 @@ class Sidecar:
         if conn.submit.producer_waiting():
             conn.doorbell.ring()  # the client waits for space in its submit ring
         for data in frames:
-            conn.send(self._handle(conn, data))
+            completion = self._handle(conn, data)
+            if completion is not None:
+                conn.send(completion)
             if conn.detaching:
                 break
         if conn.outbox:
@@ -286,9 +291,39 @@ class Sidecar:
         except Exception as exc:  # a bug in a handler answers INTERNAL; the loop survives
             log.exception("op %s failed", op)
             return self._error(conn, rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if result is DEFERRED:
+            return None
         result["id"] = rid
         result["ok"] = True
         return result
+
+    def reply(self, conn: ClientConn, rid: int, result: dict | None = None, error=None) -> bool:
+        """Complete a deferred request (control thread).  False if the client is gone."""
+        if self.clients.get(conn.slot) is not conn:
+            return False
+        if error is not None:
+            code, message = error
+            completion = self._error(conn, rid, code, message)
+        else:
+            completion = dict(result or {})
+            completion["id"] = rid
+            completion["ok"] = True
+        conn.send(completion)
+        conn.flush_outbox()
+        conn.doorbell.ring()
+        return True
+
+    def run_pending_events(self) -> int:
+        """Run queued cross-thread events now (used while shutting down)."""
+        n = 0
+        while self._events:
+            fn, args = self._events.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("event %r failed", fn)
+            n += 1
+        return n
 
     def _error(self, conn: ClientConn, rid, code: ErrorCode, message: str) -> dict:
         conn.errors += 1

@@ -32,7 +32,8 @@ class Staging:
     writers: set  # ranks that still have to commit
     deadline: float
     ns: str = ""
-    l3: bool = False
+    l3: bool = False  # write to L3 after publication
+    source: str = "engine"  # "engine" (ranks write it) or "l3" (an L3 read fills it)
 
 
 class StagingTable:
@@ -45,16 +46,47 @@ class StagingTable:
         self.published_blocks = 0
         self.aborted_blocks = 0
 
-    def open(self, *, group: str, chain: bytes, start: int, blocks: list, parent: int,
-             prefix_lease: Lease | None, writers: set, ttl_s: float, now: float, ns: str = "",
-             l3: bool = False) -> Staging:
+    def open(self, *, group: str, chain: bytes, start: int, blocks: bytes, parent: int,
+             prefix_lease: Lease | None, writers: set, ttl_s: float | None, now: float, ns: str = "",
+             l3: bool = False, source: str = "engine") -> Staging:
+        """Open a record.  ``ttl_s=None``: no deadline — for L3 reads, whose blocks must never
+        be recycled while the read may still be in flight (only its completion ends it)."""
+        deadline = float("inf") if ttl_s is None else now + ttl_s
         st = Staging(next(self._ids), group, chain, start, blocks, parent, prefix_lease, set(writers),
-                     now + ttl_s, ns, l3)
+                     deadline, ns, l3, source)
         for i, b in enumerate(unpack_ids(blocks)):
             self.index.staging[chain[i * KEY:(i + 1) * KEY]] = b
         self.records[st.id] = st
-        heapq.heappush(self._deadlines, (st.deadline, st.id))
+        if ttl_s is not None:
+            heapq.heappush(self._deadlines, (st.deadline, st.id))
         return st
+
+    def complete_load(self, st: Staging, ok: list) -> int:
+        """An L3 read finished: publish the leading blocks whose data landed, free the rest.
+
+        A failed block cuts the prefix there (later blocks would be a hole).  Returns how
+        many blocks were published.
+        """
+        n = 0
+        while n < len(ok) and ok[n]:
+            n += 1
+        del self.records[st.id]
+        ids = unpack_ids(st.blocks)
+        parent = st.parent
+        for i, b in enumerate(ids):
+            key = st.chain[i * KEY:(i + 1) * KEY]
+            if i < n:
+                self.index.publish(key, b, parent)
+                parent = b
+            else:
+                if self.index.staging.get(key) == b:
+                    del self.index.staging[key]
+                self.index.release_staging(b)
+        self.published_blocks += n
+        self.aborted_blocks += len(ids) - n
+        if st.prefix_lease is not None:
+            self.leases.drop(st.prefix_lease, "load_done")
+        return n
 
     def commit(self, st: Staging, rank: int) -> bool:
         """Record ``rank``'s commit; True when this completed the record (now published)."""
@@ -90,7 +122,7 @@ class StagingTable:
     def client_gone(self, group: str | None, rank: int) -> int:
         n = 0
         for st in list(self.records.values()):
-            if st.group == group and rank in st.writers:
+            if st.source == "engine" and st.group == group and rank in st.writers:
                 self.abort(st, "writer_gone")
                 n += 1
         return n

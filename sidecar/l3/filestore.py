@@ -1,0 +1,158 @@
+"""The embedded file store: one directory, one file per block.
+
+* **Atomic writes**: data goes to a temporary file in the same directory, then
+  ``rename`` — a reader sees the old state or the whole new file, never a torn one.
+* **Integrity on read**: each file is ``[magic u64][length u64][murmur3-128 of the data][data]``;
+  a wrong magic, length or checksum (a corrupt or truncated file) is a **miss** — the
+  file is removed and the block is never published.
+* **Size cap with eviction**: when the total would exceed ``cap_bytes``, least recently
+  used files (by mtime, refreshed on read) are removed first.
+* A full disk or any I/O error fails that block only.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import struct
+import threading
+
+from native.hashing import murmur3_128
+
+from .base import L3Backend
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x314B4C4253564B  # "KVSBLK1"
+_HDR = struct.Struct("<QQ16s")
+
+
+class FileStore(L3Backend):
+    name = "file"
+
+    def __init__(self, directory: str, cap_bytes: int = 0, fsync: bool = False):
+        self.dir = directory
+        self.cap = cap_bytes
+        self.fsync = fsync
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()  # the read and write lanes share the size accounting
+        self._sizes: collections.OrderedDict[str, int] = collections.OrderedDict()  # path -> bytes, LRU first
+        self.total = 0
+        self.counters = collections.Counter()
+        self._scan()
+
+    def _scan(self) -> None:
+        entries = []
+        for root, _dirs, files in os.walk(self.dir):
+            for f in files:
+                p = os.path.join(root, f)
+                if f.endswith(".tmp"):
+                    os.unlink(p)  # a write that never completed
+                    continue
+                st = os.stat(p)
+                entries.append((st.st_mtime, p, st.st_size))
+        for _, p, size in sorted(entries):
+            self._sizes[p] = size
+            self.total += size
+
+    def _path(self, key: str) -> str:
+        safe = key.replace("/", "_")
+        return os.path.join(self.dir, safe[-2:], safe)
+
+    def exists(self, keys):
+        return [os.path.exists(self._path(k)) for k in keys]
+
+    def read(self, keys, addrs, size):
+        out = []
+        for key, addr in zip(keys, addrs):
+            out.append(self._read_one(self._path(key), addr, size))
+        return out
+
+    def _read_one(self, path: str, addr: int, size: int) -> bool:
+        try:
+            with open(path, "rb") as f:
+                hdr = f.read(_HDR.size)
+                if len(hdr) != _HDR.size:
+                    raise ValueError("truncated header")
+                magic, length, digest = _HDR.unpack(hdr)
+                if magic != MAGIC or length != size:
+                    raise ValueError(f"bad header (magic {magic:#x}, length {length}, want {size})")
+                dst = (ctypes.c_char * size).from_address(addr)
+                got = f.readinto(dst)
+                if got != size:
+                    raise ValueError(f"truncated data ({got} of {size} bytes)")
+                if murmur3_128(memoryview(dst).cast("B")) != digest:
+                    raise ValueError("checksum mismatch")
+            os.utime(path)
+            with self._lock:
+                if path in self._sizes:
+                    self._sizes.move_to_end(path)
+            self.counters["read_ok"] += 1
+            return True
+        except FileNotFoundError:
+            self.counters["read_miss"] += 1
+            return False
+        except (OSError, ValueError) as exc:
+            log.warning("file store: %s is unusable (%s); removing it", path, exc)
+            self.counters["read_corrupt"] += 1
+            self._remove(path)
+            return False
+
+    def write(self, keys, addrs, size):
+        return [self._write_one(self._path(k), a, size) for k, a in zip(keys, addrs)]
+
+    def _write_one(self, path: str, addr: int, size: int) -> bool:
+        need = _HDR.size + size
+        if self.cap and need > self.cap:
+            self.counters["write_too_big"] += 1
+            return False
+        self._make_room(need)
+        tmp = f"{path}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            data = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+            with open(tmp, "wb") as f:
+                f.write(_HDR.pack(MAGIC, size, murmur3_128(data)))
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.counters["write_error"] += 1
+            log.warning("file store: write of %s failed: %s", path, exc)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        with self._lock:
+            old = self._sizes.pop(path, 0)
+            self._sizes[path] = need
+            self.total += need - old
+        self.counters["write_ok"] += 1
+        return True
+
+    def _make_room(self, need: int) -> None:
+        if not self.cap:
+            return
+        while True:
+            with self._lock:
+                if self.total + need <= self.cap or not self._sizes:
+                    return
+                victim = next(iter(self._sizes))
+            self.counters["evicted"] += 1
+            self._remove(victim)
+
+    def _remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        with self._lock:
+            self.total -= self._sizes.pop(path, 0)
+
+    def stats(self) -> dict:
+        return {"backend": self.name, "bytes": self.total, "files": len(self._sizes), **dict(self.counters)}

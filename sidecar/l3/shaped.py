@@ -1,0 +1,102 @@
+"""A shaping and fault-injection wrapper around any backend (tests and benchmarks).
+
+* ``latency_s``: added once per read/write call (a network round trip);
+* ``bandwidth_bps``: bytes take ``bytes / bandwidth`` seconds (0 = unlimited);
+* ``fail``: per-block read failures — ``"first"`` (block 0 of each call), ``"tail"``
+  (the last block), ``"random"`` (each with ``fail_prob``), ``"keys"`` (keys containing
+  any of ``fail_keys``) or ``""``;
+* ``hang``: reads block until :meth:`release_hang` (or close), to test drains and aborts.
+
+Delays wait on an event, so ``close`` cuts them short; nothing sleeps blindly.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from .base import L3Backend
+
+
+class ShapedBackend(L3Backend):
+    def __init__(self, inner: L3Backend, *, latency_s: float = 0.0, bandwidth_bps: float = 0.0,
+                 fail: str = "", fail_prob: float = 0.0, fail_keys: tuple = (), hang: bool = False,
+                 seed: int = 0):
+        self.inner = inner
+        self.name = f"shaped({inner.name})"
+        self.max_batch = inner.max_batch
+        self.latency_s = latency_s
+        self.bandwidth_bps = bandwidth_bps
+        self.fail = fail
+        self.fail_prob = fail_prob
+        self.fail_keys = tuple(fail_keys)
+        self._rng = random.Random(seed)
+        self._closed = threading.Event()
+        self._hang = threading.Event()
+        if not hang:
+            self._hang.set()
+        self.calls = 0
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    def release_hang(self) -> None:
+        self._hang.set()
+
+    def register_pool(self, address, size):
+        self.inner.register_pool(address, size)
+
+    def _delay(self, nbytes: int) -> None:
+        t = self.latency_s + (nbytes / self.bandwidth_bps if self.bandwidth_bps else 0.0)
+        if t > 0:
+            end = time.monotonic() + t
+            while not self._closed.is_set():
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._closed.wait(left)
+
+    def exists(self, keys):
+        if self.latency_s:
+            self._closed.wait(self.latency_s)
+        return self.inner.exists(keys)
+
+    def read(self, keys, addrs, size):
+        with self._lock:
+            self.calls += 1
+            self.in_flight += 1
+        try:
+            while not self._hang.is_set() and not self._closed.is_set():
+                self._hang.wait(0.5)
+            self._delay(size * len(keys))
+            ok = self.inner.read(keys, addrs, size)
+            return [o and not self._fails(i, len(keys), k) for i, (o, k) in enumerate(zip(ok, keys))]
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _fails(self, i: int, n: int, key: str) -> bool:
+        if self.fail == "first":
+            return i == 0
+        if self.fail == "tail":
+            return i == n - 1
+        if self.fail == "random":
+            return self._rng.random() < self.fail_prob
+        if self.fail == "keys":
+            return any(s in key for s in self.fail_keys)
+        return False
+
+    def write(self, keys, addrs, size):
+        self._delay(size * len(keys))
+        return self.inner.write(keys, addrs, size)
+
+    def stats(self):
+        return {**self.inner.stats(), "shaped": True, "calls": self.calls}
+
+    def interrupt(self):
+        self._closed.set()
+        self._hang.set()
+
+    def close(self):
+        self.interrupt()
+        self.inner.close()

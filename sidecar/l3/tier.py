@@ -1,0 +1,98 @@
+"""The control thread's side of L3: lookup → load, and store after commit.
+
+Policy runs here (which keys, which pool blocks, what to publish); the bytes move on
+the worker lanes.  Every completion comes back to the control thread as an event.
+L3 keys are ``kvs1/<layout fingerprint>/<namespace>/<block hash>``: the namespace and
+the layout are in every key, so two namespaces or layouts never share an object.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from ..index import KEY, unpack_ids
+from .base import L3Backend
+from .workers import Lane
+
+log = logging.getLogger(__name__)
+
+
+class L3Tier:
+    def __init__(self, backend: L3Backend, post, *, fingerprint: bytes, pool_address: int, block_bytes: int):
+        self.backend = backend
+        self.prefix = f"kvs1/{fingerprint.hex()}"
+        self.pool_address = pool_address
+        self.block_bytes = block_bytes
+        self.meta = Lane("l3-meta", post)
+        self.reader = Lane("l3-read", post)
+        self.writer = Lane("l3-write", post)
+        self.counters = collections.Counter()
+
+    def start(self) -> None:
+        for lane in (self.meta, self.reader, self.writer):
+            lane.start()
+
+    def stop(self) -> None:
+        self.backend.interrupt()
+        for lane in (self.meta, self.reader, self.writer):
+            lane.stop()
+        self.backend.close()
+
+    def keys(self, ns: str, chain: bytes) -> list[str]:
+        p = f"{self.prefix}/{ns}/"
+        return [p + chain[i:i + KEY].hex() for i in range(0, len(chain), KEY)]
+
+    def addrs(self, blocks: bytes) -> list[int]:
+        base, bb = self.pool_address, self.block_bytes
+        return [base + b * bb for b in unpack_ids(blocks)]
+
+    # -- operations (control thread) ------------------------------------------------------------
+    def lookup(self, ns: str, chain: bytes, done) -> None:
+        """``done(hits)``: how many leading blocks of ``chain`` L3 holds (0 on error)."""
+        keys = self.keys(ns, chain)
+        self.counters["lookups"] += 1
+
+        def finish(flags, error):
+            if error is not None or flags is None:
+                self.counters["lookup_errors"] += 1
+                done(0)
+                return
+            hits = 0
+            while hits < len(flags) and flags[hits]:
+                hits += 1
+            done(hits)
+
+        self.meta.submit(lambda: self.backend.exists(keys), finish)
+
+    def load(self, ns: str, chain: bytes, blocks: bytes, done) -> None:
+        """Read ``chain``'s blocks into pool ``blocks``; ``done(per_block_ok)``."""
+        keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), len(blocks) // 4
+        size = self.block_bytes
+
+        def finish(ok, error):
+            if error is not None or ok is None:
+                ok = [False] * n
+            self.counters["read_blocks_ok"] += sum(ok)
+            self.counters["read_blocks_failed"] += n - sum(ok)
+            done(ok)
+
+        self.reader.submit(lambda: self.backend.read(keys, addrs, size), finish)
+
+    def store(self, ns: str, chain: bytes, blocks: bytes, done) -> None:
+        """Write pool ``blocks`` under ``chain``'s keys; ``done(per_block_ok)``."""
+        keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), len(blocks) // 4
+        size = self.block_bytes
+
+        def finish(ok, error):
+            if error is not None or ok is None:
+                ok = [False] * n
+            self.counters["put_blocks_ok"] += sum(ok)
+            self.counters["put_blocks_failed"] += n - sum(ok)
+            done(ok)
+
+        self.writer.submit(lambda: self.backend.write(keys, addrs, size), finish)
+
+    def stats(self) -> dict:
+        return {**dict(self.counters), "meta": self.meta.stats(), "read": self.reader.stats(),
+                "write": self.writer.stats(), "backend": self.backend.stats()}

@@ -1,0 +1,81 @@
+"""Worker threads that run L3 calls off the control thread.
+
+Each :class:`Lane` is one thread draining an ordered job queue; a job runs a backend
+call and hands its result back to the control thread with ``post`` (a deque plus the
+sidecar doorbell), so the control thread never blocks on L3.  The sidecar runs three
+lanes: **metadata** (existence queries), **read** (restores into the pool) and
+**write** (PUTs), so a long store never delays a prefetch read.
+
+A lane sleeps in ``queue.get`` (woken by the next job or the stop sentinel); nothing
+polls.  ``stop`` lets the job in progress finish (a backend call is bounded), then
+exits; jobs still queued are completed with ``cancelled=True`` so their owners can
+release what they reserved.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Lane:
+    def __init__(self, name: str, post):
+        self.name = name
+        self._post = post
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"kvsidecar-{name}", daemon=True)
+        self.queued = 0
+        self.busy = False
+        self.jobs_done = 0
+        self.busy_s = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, work, done) -> None:
+        """Run ``work()`` on this lane, then ``done(result, error)`` on the control thread."""
+        self.queued += 1
+        self._q.put((work, done))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is _STOP:
+                break
+            work, done = item
+            self.busy = True
+            t0 = time.monotonic()
+            try:
+                result, error = work(), None
+            except Exception as exc:  # a backend failure becomes a result, never a dead lane
+                log.exception("%s lane job failed", self.name)
+                result, error = None, exc
+            self.busy_s += time.monotonic() - t0
+            self.busy = False
+            self.jobs_done += 1
+            self._post(self._finish, done, result, error)
+        # cancel whatever is still queued
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                self._post(self._finish, item[1], None, RuntimeError("lane stopped"))
+
+    def _finish(self, done, result, error) -> None:  # control thread
+        self.queued -= 1
+        done(result, error)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._q.put(_STOP)
+        self._thread.join(timeout_s)
+
+    def stats(self) -> dict:
+        return {"queued": self.queued, "busy": self.busy, "jobs": self.jobs_done, "busy_s": round(self.busy_s, 3)}

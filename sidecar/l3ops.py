@@ -1,0 +1,114 @@
+"""L3 on the control thread: write-behind after a store is published, and whole-chain restore.
+
+* **Write-behind**: when a store flagged ``l3`` is published, its blocks are pinned by
+  an ``l3_put`` lease (so they cannot be evicted or recycled while being read for the
+  PUT) and written on the write lane.  Only blocks whose PUT succeeded count as
+  published to L3.
+* **Restore** (``restore`` op, answered when done): query L3 for the blocks beyond the
+  resident prefix **before** reserving any staging; stage the contiguous hit range
+  (pinning the resident prefix so the first restored block's parent stays); read on
+  the read lane; publish the leading blocks whose data landed; free the rest.  The
+  staging has no deadline: a block is never recycled while its read may be in flight.
+"""
+
+from __future__ import annotations
+
+import time
+
+from shm.errors import ErrorCode
+
+from .core import KVCore
+from .index import KEY, unpack_ids
+from .l3.tier import L3Tier
+from .server import DEFERRED, OpError
+
+
+class L3Ops:
+    def __init__(self, core: KVCore, tier: L3Tier):
+        self.core = core
+        self.tier = tier
+        self.sidecar = core.sidecar
+        self.counters = core.sidecar.counters
+        self.puts_in_flight = 0
+        self.loads_in_flight = 0
+        core.publish_hooks.append(self.write_behind)
+        self.sidecar.handlers["restore"] = self.op_restore
+        self.sidecar.kv_ops.add("restore")
+        self.sidecar.stats_providers.append(lambda: {"l3": {**self.tier.stats(), "puts_in_flight": self.puts_in_flight,
+                                                             "loads_in_flight": self.loads_in_flight}})
+
+    # -- write-behind ---------------------------------------------------------------------------
+    def write_behind(self, st) -> None:
+        if not st.l3:
+            return
+        lease = self.core.leases.new(st.blocks, ttl_s=float("inf"), now=time.monotonic(), kind="l3_put",
+                                     owner=("l3", st.id))
+        self.puts_in_flight += 1
+
+        def done(ok):
+            self.puts_in_flight -= 1
+            self.core.leases.drop(lease, "l3_put_done")
+            self.counters["l3_published_blocks"] += sum(ok)
+            self.counters["l3_put_failed_blocks"] += len(ok) - sum(ok)
+
+        self.tier.store(st.ns, st.chain, st.blocks, done)
+
+    # -- restore --------------------------------------------------------------------------------
+    def op_restore(self, conn, msg):
+        chain, ns = msg["chain"], msg.get("ns") or ""
+        total = len(chain) // KEY
+        resident = self.core.index.match(chain)
+        if resident == total:
+            return {"restored": 0, "resident": resident, "l3_hits": 0}
+        rid = msg["id"]
+        self.tier.lookup(ns, chain[resident * KEY:],
+                         lambda hits: self._stage(conn, rid, chain, ns, resident, hits))
+        return DEFERRED
+
+    def _stage(self, conn, rid, chain, ns, queried_from, hits) -> None:
+        core = self.core
+        index = core.index
+        start = index.match(chain)  # may have grown while L3 was queried
+        end = queried_from + hits
+        stop = start
+        while stop < end and chain[stop * KEY:(stop + 1) * KEY] not in index.staging:
+            stop += 1
+        want = stop - start
+        if want <= 0:
+            self.sidecar.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
+            return
+        room = core.reserved_limit // index.block_bytes - index.staged
+        want = min(want, max(room, 0))
+        now = time.monotonic()
+        prefix_lease, parent = None, -1
+        if start:
+            prefix = index.resident_ids(chain, start)
+            parent = unpack_ids(prefix[-4:])[0]
+            prefix_lease = core.leases.new(prefix, ttl_s=float("inf"), now=now, kind="load_prefix",
+                                           owner=("load", rid))
+        short = want - index.free
+        if short > 0:
+            index.evict(short)
+        blocks = index.alloc(want) if want > 0 else b""
+        if not blocks:
+            if prefix_lease is not None:
+                core.leases.drop(prefix_lease, "load_refused")
+            self.sidecar.reply(conn, rid, error=(ErrorCode.LIMIT, "no staging room for the restore"))
+            return
+        count = len(blocks) // 4
+        st = core.staging.open(group="", chain=chain[start * KEY:(start + count) * KEY], start=start,
+                               blocks=blocks, parent=parent, prefix_lease=prefix_lease, writers=set(),
+                               ttl_s=None, now=now, ns=ns, source="l3")
+        self.loads_in_flight += 1
+
+        def loaded(ok):
+            self.loads_in_flight -= 1
+            n = core.staging.complete_load(st, ok)
+            self.counters["l3_restored_blocks"] += n
+            self.sidecar.reply(conn, rid, {"restored": n, "resident": start + n, "l3_hits": hits,
+                                           "failed": count - n})
+
+        self.tier.load(ns, st.chain, blocks, loaded)
+
+
+__all__ = ["L3Ops", "OpError"]
