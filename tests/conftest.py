@@ -91,3 +91,14 @@ def sidecar_factory(instance):
 @pytest.fixture
 def sidecar(sidecar_factory) -> SidecarProcess:
     return sidecar_factory()
+
+
+@pytest.fixture
+def mooncake_master():
+    """A real mooncake_master on 127.0.0.1 (free ports), stopped by pid after the test."""
+    from sidecar.l3.master import MooncakeMaster
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    m = MooncakeMaster(client_ttl_s=2, kv_lease_ttl_ms=200)
+    yield m
+    m.stop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import threading
 
 from .base import L3Backend, L3Error, batched
 
@@ -51,6 +52,7 @@ class MooncakeBackend(L3Backend):
         if rc != 0:
             raise L3Error(f"Mooncake setup against {master} failed with code {rc}")
         self.master = master
+        self.close_timeout_s = 3.0
         self.counters = collections.Counter()
         self._registered: list[int] = []
         log.info("Mooncake client connected to master %s (%s)", master, protocol)
@@ -102,7 +104,16 @@ class MooncakeBackend(L3Backend):
             except Exception:  # closing must not raise
                 log.exception("unregister_buffer failed")
         self._registered.clear()
-        try:
-            self.store.close()
-        except Exception:
-            log.exception("Mooncake close failed")
+
+        def _close():
+            try:
+                self.store.close()
+            except Exception:
+                log.exception("Mooncake close failed")
+
+        # close() can take >10 s when the master is gone; never let it hold up shutdown.
+        t = threading.Thread(target=_close, name="mooncake-close", daemon=True)
+        t.start()
+        t.join(self.close_timeout_s)
+        if t.is_alive():
+            log.warning("Mooncake close did not finish in %.1f s; leaving it behind", self.close_timeout_s)
