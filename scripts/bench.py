@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 SUITES = {
     "ring": "bench_ring",
     "load": "bench_load",
+    "l3": "bench_l3",
 }
 
 

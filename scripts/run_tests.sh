@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export MC_TCP_BIND_ADDRESS=127.0.0.1
+export PATH="$PWD/.venv/bin:$PATH"  # mooncake_master comes with the venv
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
