@@ -1,0 +1,278 @@
+"""The prefetch session lifecycle as a pure state machine: events in, actions out.
+
+No I/O, no clock of its own (every event carries ``now``), no knowledge of pools or
+L3 — in the spirit of h11.  The control thread (``sidecar.sessions``) feeds events
+and carries out the actions.  Positions are block indices in the request's chain.
+
+::
+
+    CREATED → QUERYING → RUNNING → (SEALED) → DRAINING → TERMINAL
+                 │          │         a stop trigger: no new claims
+                 └──────────┴──────── terminal directly when nothing is in flight
+
+Guarantees (checked by the property tests):
+
+* a chunk is claimed at most once and is dropped or published only after its read
+  completed (``Drop`` / ``Publish`` never name an in-flight chunk);
+* publication is in chain order: ``Publish`` always extends the contiguous prefix;
+  out-of-order completions wait for their predecessors; a failed block cuts the
+  prefix there and every later block is dropped;
+* ``Finish`` is emitted exactly once, when sealed (or done) and nothing is in flight;
+  later events are ignored;
+* with ``chunk_max_blocks`` ≥ the span (and always for ``wait_complete``) the whole
+  span is one claim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Policy(str, enum.Enum):
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+    BEST_EFFORT = "best_effort"
+
+
+class State(str, enum.Enum):
+    CREATED = "created"
+    QUERYING = "querying"
+    RUNNING = "running"
+    DRAINING = "draining"
+    TERMINAL = "terminal"
+
+
+class Status(str, enum.Enum):
+    COMPLETE = "complete"
+    TIMEOUT = "timeout"
+    DEMANDED = "demanded"
+    ABORTED = "aborted"
+    FAILED = "failed"
+    NO_HIT = "no_hit"
+
+
+# -- actions ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Query:
+    start: int  # ask L3 how many consecutive blocks from here it holds
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    chunk: int
+    start: int
+    count: int  # reserve staging and read [start, start+count) from L3
+
+
+@dataclasses.dataclass(frozen=True)
+class Publish:
+    chunk: int
+    count: int  # make the chunk's first `count` blocks resident (data landed, predecessors published)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    chunk: int
+    offset: int  # free the chunk's blocks from `offset` on (failed, or beyond a cut)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    status: Status
+    prefix: int  # the protected continuous prefix [0, prefix), on a valid checkpoint
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class Chunk:
+    id: int
+    start: int
+    count: int
+    ok: list | None = None  # None while in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    policy: Policy
+    total: int  # blocks in the chain
+    resident: int  # leading blocks resident when the session started
+    chunk_max_blocks: int
+    window: int = 2
+    deadline: float | None = None  # timeout policy: bounds new claims, not the drain
+    checkpoint_every: int = 0  # 0: every block boundary is valid
+    checkpoints: frozenset = frozenset()  # explicit block indices whose end is a valid stop
+
+
+class Session:
+    def __init__(self, params: Params):
+        p = params
+        if p.policy == Policy.WAIT_COMPLETE:
+            p = dataclasses.replace(p, chunk_max_blocks=max(p.total, 1), window=1, deadline=None)
+        if p.chunk_max_blocks <= 0 or p.window <= 0:
+            raise ValueError("chunk_max_blocks and window must be positive")
+        self.p = p
+        self.state = State.CREATED
+        self.status: Status | None = None
+        self.reason = ""
+        self.published = p.resident  # contiguous resident prefix this session vouches for
+        self.target = p.resident  # end of the L3 hit range
+        self.next_pos = p.resident
+        self.chunks: dict[int, Chunk] = {}  # claimed and not yet resolved, by id
+        self._ids = 0
+        self.sealed = False
+        self.cut = False  # a block failed: nothing after it can be published
+        self.prefix = None
+
+    # -- helpers --------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for c in self.chunks.values() if c.ok is None)
+
+    def valid_prefix(self, n: int) -> int:
+        """Largest prefix length <= n that ends on a complete checkpoint."""
+        p = self.p
+        if p.checkpoint_every:
+            return n - n % p.checkpoint_every
+        if p.checkpoints:
+            best = 0
+            for i in p.checkpoints:
+                if i + 1 <= n and i + 1 > best:
+                    best = i + 1
+            return best
+        return n
+
+    def _seal(self, status: Status, reason: str = "") -> None:
+        if not self.sealed:
+            self.sealed = True
+            self.status = status
+            self.reason = reason
+
+    def _claims(self) -> list:
+        out = []
+        if self.sealed or self.cut or self.state != State.RUNNING:
+            return out
+        while self.next_pos < self.target and self.in_flight < self.p.window:
+            n = min(self.p.chunk_max_blocks, self.target - self.next_pos)
+            c = Chunk(self._ids, self.next_pos, n)
+            self._ids += 1
+            self.chunks[c.id] = c
+            self.next_pos += n
+            out.append(Claim(c.id, c.start, n))
+        return out
+
+    def _advance(self) -> list:
+        """Publish what is publishable in order, drop what a cut strands, maybe finish."""
+        out = []
+        for c in sorted(self.chunks.values(), key=lambda c: c.start):
+            if c.ok is None:
+                if not self.cut:
+                    break  # an earlier chunk is in flight: later ones wait
+                continue
+            if self.cut:
+                out.append(Drop(c.id, 0))
+                del self.chunks[c.id]
+                continue
+            if c.start != self.published:
+                break
+            k = 0
+            while k < c.count and c.ok[k]:
+                k += 1
+            if k:
+                out.append(Publish(c.id, k))
+                self.published += k
+            if k < c.count:
+                out.append(Drop(c.id, k))
+                self.cut = True
+                self._seal(Status.FAILED, "block read failed")
+            del self.chunks[c.id]
+        out += self._claims()
+        out += self._maybe_finish()
+        return out
+
+    def _maybe_finish(self) -> list:
+        if self.state == State.TERMINAL:
+            return []
+        done_naturally = self.state == State.RUNNING and self.next_pos >= self.target and not self.chunks
+        if not (self.sealed or done_naturally) or self.in_flight:
+            if self.sealed and self.state == State.RUNNING and self.in_flight:
+                self.state = State.DRAINING
+            return []
+        # (a session sealed while QUERYING holds no staging: it ends at once; the late
+        # query answer is then ignored)
+        if not self.sealed:
+            self._seal(Status.COMPLETE if self.published >= self.target else Status.FAILED)
+        # leftovers resolved but unpublishable (e.g. sealed with a gap) are dropped
+        out = [Drop(c.id, 0) for c in sorted(self.chunks.values(), key=lambda c: c.start)]
+        self.chunks.clear()
+        self.state = State.TERMINAL
+        self.prefix = self.valid_prefix(self.published)
+        return out + [Finish(self.status, self.prefix, self.reason)]
+
+    # -- events ---------------------------------------------------------------------------------
+    def start(self, now: float) -> list:
+        if self.state != State.CREATED:
+            return []
+        if self.p.resident >= self.p.total:
+            self.state = State.RUNNING
+            return self._maybe_finish()
+        self.state = State.QUERYING
+        return [Query(self.p.resident)]
+
+    def query_done(self, hits: int, now: float) -> list:
+        if self.state != State.QUERYING:
+            return []
+        self.target = min(self.p.total, self.p.resident + max(hits, 0))
+        self.state = State.RUNNING
+        if self.target == self.p.resident and not self.sealed:
+            self._seal(Status.NO_HIT)
+        if self.p.deadline is not None and now >= self.p.deadline:
+            self._seal(Status.TIMEOUT, "deadline")
+        return self._advance()
+
+    def claim_granted(self, chunk: int, granted: int, now: float) -> list:
+        """The executor reserved only ``granted`` of the claimed blocks (a limit): shrink, stop claiming."""
+        c = self.chunks.get(chunk)
+        if c is None or c.ok is not None or granted >= c.count:
+            return []
+        if granted <= 0:
+            del self.chunks[chunk]
+            self.next_pos = c.start
+        else:
+            c.count = granted
+            self.next_pos = c.start + granted
+        self.target = self.next_pos
+        self._seal(Status.FAILED, "limit")  # over a budget: stop claiming, end with what it has
+        return self._advance()
+
+    def chunk_done(self, chunk: int, ok: list, now: float) -> list:
+        c = self.chunks.get(chunk)
+        if c is None or c.ok is not None:
+            return []
+        if len(ok) != c.count:
+            raise ValueError(f"chunk {chunk}: {len(ok)} results for {c.count} blocks")
+        c.ok = list(ok)
+        if self.p.deadline is not None and now >= self.p.deadline:
+            self._seal(Status.TIMEOUT, "deadline")
+        return self._advance()
+
+    def demand(self, now: float) -> list:
+        if self.state == State.TERMINAL or self.p.policy != Policy.BEST_EFFORT:
+            return []
+        self._seal(Status.DEMANDED, "demand")
+        return self._advance()
+
+    def tick(self, now: float) -> list:
+        if self.state in (State.TERMINAL, State.CREATED) or self.p.deadline is None or now < self.p.deadline:
+            return []
+        self._seal(Status.TIMEOUT, "deadline")
+        return self._advance()
+
+    def abort(self, now: float) -> list:
+        if self.state == State.TERMINAL:
+            return []
+        self._seal(Status.ABORTED, "abort")
+        self.status, self.reason = Status.ABORTED, "abort"  # abort wins over an earlier trigger
+        if self.state == State.CREATED:
+            self.state = State.RUNNING
+        return self._advance()

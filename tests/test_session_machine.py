@@ -1,0 +1,298 @@
+"""The pure session state machine: every policy x trigger x timing, plus a property test."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.session import (
+    Claim,
+    Drop,
+    Finish,
+    Params,
+    Policy,
+    Publish,
+    Query,
+    Session,
+    State,
+    Status,
+)
+
+
+def mk(policy=Policy.TIMEOUT, total=10, resident=0, chunk=3, window=2, deadline=None, **kw):
+    return Session(Params(policy, total, resident, chunk, window, deadline, **kw))
+
+
+def claims(actions):
+    return [a for a in actions if isinstance(a, Claim)]
+
+
+def finish(actions):
+    f = [a for a in actions if isinstance(a, Finish)]
+    return f[0] if f else None
+
+
+def test_whole_span_complete_in_window_order():
+    s = mk(chunk=4)
+    assert s.start(0) == [Query(0)]
+    a = s.query_done(10, 0)
+    assert claims(a) == [Claim(0, 0, 4), Claim(1, 4, 4)]  # window of 2
+    a = s.chunk_done(1, [True] * 4, 1)  # out of order: waits for chunk 0
+    assert not [x for x in a if isinstance(x, Publish)] and claims(a) == [Claim(2, 8, 2)]
+    a = s.chunk_done(0, [True] * 4, 2)
+    assert [x for x in a if isinstance(x, Publish)] == [Publish(0, 4), Publish(1, 4)]
+    a = s.chunk_done(2, [True, True], 3)
+    assert a == [Publish(2, 2), Finish(Status.COMPLETE, 10, "")]
+    assert s.state == State.TERMINAL and s.in_flight == 0
+
+
+def test_wait_complete_is_one_graph_and_ignores_demand_and_deadline():
+    s = mk(Policy.WAIT_COMPLETE, total=100, resident=10, chunk=3, deadline=1.0)
+    s.start(0)
+    a = s.query_done(90, 0)
+    assert claims(a) == [Claim(0, 10, 90)]
+    assert s.demand(0.5) == [] and s.tick(5.0) == []
+    a = s.chunk_done(0, [True] * 90, 6.0)
+    assert finish(a) == Finish(Status.COMPLETE, 100, "")
+
+
+def test_one_graph_timeout_when_chunk_covers_span():
+    s = mk(Policy.TIMEOUT, total=20, chunk=64, deadline=10.0)
+    s.start(0)
+    assert claims(s.query_done(20, 0)) == [Claim(0, 0, 20)]
+
+
+@pytest.mark.parametrize("when", ["querying", "running_first", "running_later"])
+def test_deadline_bounds_claims_not_the_drain(when):
+    s = mk(total=12, chunk=3, deadline=1.0)
+    s.start(0)
+    if when == "querying":
+        a = s.tick(1.0)
+        assert finish(a) == Finish(Status.TIMEOUT, 0, "deadline")
+        assert s.query_done(12, 1.1) == []  # late answer ignored
+        return
+    s.query_done(12, 0.1)  # claims chunks 0 and 1
+    if when == "running_later":
+        s.chunk_done(0, [True] * 3, 0.5)  # publishes 3, claims chunk 2
+    a = s.tick(1.0)
+    assert claims(a) == [] and s.state == State.DRAINING
+    assert finish(a) is None  # in-flight chunks drain first
+    rest = sorted(c.id for c in s.chunks.values())
+    out = []
+    for cid in rest:
+        out += s.chunk_done(cid, [True] * 3, 1.2)
+    f = finish(out)
+    assert f.status == Status.TIMEOUT and f.prefix == (9 if when == "running_later" else 6)
+
+
+def test_deadline_reached_at_query_answer():
+    s = mk(total=12, chunk=3, deadline=1.0)
+    s.start(0)
+    a = s.query_done(12, 1.5)
+    assert finish(a) == Finish(Status.TIMEOUT, 0, "deadline") and not claims(a)
+
+
+@pytest.mark.parametrize("state", ["querying", "running", "draining"])
+def test_best_effort_stops_on_demand(state):
+    s = mk(Policy.BEST_EFFORT, total=12, chunk=3)
+    s.start(0)
+    if state == "querying":
+        assert finish(s.demand(0)) == Finish(Status.DEMANDED, 0, "demand")
+        return
+    s.query_done(12, 0)
+    if state == "draining":
+        s.tick(0)  # no deadline: nothing happens
+        s.demand(0)
+        assert s.state == State.DRAINING
+        assert s.demand(0) == []  # a second demand changes nothing
+    else:
+        a = s.demand(0)
+        assert s.state == State.DRAINING and not claims(a)
+    out = s.chunk_done(0, [True] * 3, 1) + s.chunk_done(1, [True] * 3, 1)
+    assert finish(out) == Finish(Status.DEMANDED, 6, "demand")
+
+
+def test_best_effort_completes_when_never_demanded():
+    s = mk(Policy.BEST_EFFORT, total=6, chunk=3)
+    s.start(0)
+    s.query_done(6, 0)
+    out = s.chunk_done(0, [True] * 3, 1) + s.chunk_done(1, [True] * 3, 1)
+    assert finish(out) == Finish(Status.COMPLETE, 6, "")
+
+
+def test_timeout_ignores_demand():
+    s = mk(total=6, chunk=3, deadline=5)
+    s.start(0)
+    s.query_done(6, 0)
+    assert s.demand(1) == []
+
+
+@pytest.mark.parametrize("state", ["created", "querying", "running", "draining", "terminal"])
+def test_abort_in_every_state(state):
+    s = mk(total=9, chunk=3, deadline=1.0)
+    if state == "created":
+        f = finish(s.abort(0))
+        assert f == Finish(Status.ABORTED, 0, "abort")
+        return
+    s.start(0)
+    if state == "querying":
+        assert finish(s.abort(0)) == Finish(Status.ABORTED, 0, "abort")
+        return
+    s.query_done(9, 0)
+    if state == "draining":
+        s.tick(1.0)
+        assert s.state == State.DRAINING
+    if state == "terminal":
+        for cid in (0, 1):
+            s.chunk_done(cid, [True] * 3, 0.5)
+        s.chunk_done(2, [True] * 3, 0.6)
+        assert s.state == State.TERMINAL
+        assert s.abort(1) == []  # exactly once: no second Finish
+        return
+    a = s.abort(0.5)
+    assert finish(a) is None and s.state == State.DRAINING  # in-flight reads drain first
+    out = s.chunk_done(1, [True] * 3, 0.6) + s.chunk_done(0, [True] * 3, 0.7)
+    f = finish(out)
+    assert f.status == Status.ABORTED and f.prefix == 6
+    assert s.abort(1) == [] and s.chunk_done(0, [True] * 3, 1) == []
+
+
+@pytest.mark.parametrize("where,expect_prefix,dropped", [
+    ("first", 0, {(0, 0), (1, 0)}),
+    ("middle", 4, {(0, 4), (1, 0)}),
+    ("tail", 8, {(1, 3)}),
+])
+def test_chunk_failure_cuts_the_prefix(where, expect_prefix, dropped):
+    s = mk(total=9, chunk=5, window=2)
+    s.start(0)
+    s.query_done(9, 0)  # chunks [0,5) and [5,9)
+    ok0 = [True] * 5
+    ok1 = [True] * 4
+    if where == "first":
+        ok0[0] = False
+    elif where == "middle":
+        ok0[4] = False
+    else:
+        ok1[3] = False
+    out = s.chunk_done(1, ok1, 1) + s.chunk_done(0, ok0, 2)
+    f = finish(out)
+    assert f.status == Status.FAILED and f.prefix == expect_prefix
+    assert {(d.chunk, d.offset) for d in out if isinstance(d, Drop)} == dropped
+
+
+def test_no_hit_and_fully_resident():
+    s = mk(total=5, resident=2)
+    s.start(0)
+    assert finish(s.query_done(0, 0)) == Finish(Status.NO_HIT, 2, "")
+    s2 = mk(total=5, resident=5)
+    assert finish(s2.start(0)) == Finish(Status.COMPLETE, 5, "")
+
+
+def test_limit_shrinks_claim_and_stops():
+    s = mk(total=12, chunk=4, window=2)
+    s.start(0)
+    s.query_done(12, 0)
+    a = s.claim_granted(1, 2, 0)
+    assert s.sealed and s.reason == "limit" and not claims(a)
+    out = s.chunk_done(0, [True] * 4, 1) + s.chunk_done(1, [True] * 2, 1)
+    assert finish(out) == Finish(Status.FAILED, 6, "limit")
+
+
+def test_checkpoints_bound_the_published_prefix():
+    s = mk(total=10, chunk=10, checkpoint_every=4)
+    s.start(0)
+    s.query_done(10, 0)
+    assert finish(s.chunk_done(0, [True] * 10, 1)).prefix == 8
+    s = mk(total=10, chunk=10, checkpoints=frozenset({2, 6}))
+    s.start(0)
+    s.query_done(10, 0)
+    ok = [True] * 10
+    ok[6] = False
+    assert finish(s.chunk_done(0, ok, 1)).prefix == 3  # block 6 failed: last checkpoint ends at 3
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 10), st.integers(1, 8), st.integers(1, 3),
+       st.sampled_from(list(Policy)), st.integers(0, 2**32), st.integers(0, 3))
+def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window, policy, seed, ckpt):
+    rng = random.Random(seed)
+    resident = min(resident, total)
+    s = mk(policy, total=total, resident=resident, chunk=chunk, window=window,
+           deadline=rng.uniform(0, 3) if policy == Policy.TIMEOUT else None, checkpoint_every=ckpt)
+    now = 0.0
+    in_flight, resolved = {}, set()  # chunk id -> (start, count); ids done
+    published_to = resident
+    finishes = []
+
+    def apply(actions):
+        nonlocal published_to
+        for a in actions:
+            if isinstance(a, Claim):
+                assert a.chunk not in in_flight and a.chunk not in resolved
+                assert a.start >= published_to and 0 < a.count
+                in_flight[a.chunk] = (a.start, a.count, None)
+            elif isinstance(a, Publish):
+                start, count, ok = in_flight[a.chunk]
+                assert ok is not None, "published before its data landed"
+                assert start == published_to, "publication out of chain order"
+                assert all(ok[:a.count]) and a.count <= count
+                published_to += a.count
+                resolved.add(a.chunk)
+            elif isinstance(a, Drop):
+                start, count, ok = in_flight[a.chunk]
+                assert ok is not None, "dropped while its read may be in flight"
+                resolved.add(a.chunk)
+            elif isinstance(a, Finish):
+                finishes.append(a)
+                assert a.prefix <= published_to
+                assert not ckpt or a.prefix % ckpt == 0
+
+    apply(s.start(now))
+    queried = False
+    for _ in range(200):
+        if s.state == State.TERMINAL:
+            break
+        now += rng.uniform(0, 0.3)
+        r = rng.random()
+        if s.state == State.QUERYING and (r < 0.5 or not queried):
+            queried = True
+            apply(s.query_done(rng.randint(0, total), now))
+        elif r < 0.55:
+            pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
+            if pending:
+                cid = rng.choice(pending)
+                start, count, _ = in_flight[cid]
+                ok = [rng.random() > 0.1 for _ in range(count)]
+                in_flight[cid] = (start, count, ok)
+                apply(s.chunk_done(cid, ok, now))
+        elif r < 0.65:
+            apply(s.demand(now))
+        elif r < 0.75:
+            apply(s.tick(now))
+        elif r < 0.78:
+            apply(s.abort(now))
+        elif r < 0.8:
+            pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
+            if pending:
+                cid = pending[-1]
+                apply(s.claim_granted(cid, rng.randint(0, in_flight[cid][1]), now))
+                if cid not in s.chunks:
+                    del in_flight[cid]
+                else:
+                    in_flight[cid] = (in_flight[cid][0], s.chunks[cid].count, None)
+    # drive to the end: answer everything still in flight
+    if s.state == State.QUERYING:
+        apply(s.query_done(0, now))
+    for cid in list(in_flight):
+        if in_flight[cid][2] is None and cid not in resolved:
+            start, count, _ = in_flight[cid]
+            ok = [True] * count
+            in_flight[cid] = (start, count, ok)
+            apply(s.chunk_done(cid, ok, now))
+    if s.state != State.TERMINAL:
+        apply(s.abort(now))
+    assert s.state == State.TERMINAL and len(finishes) == 1 and s.in_flight == 0
+    assert all(cid in resolved for cid, v in in_flight.items() if v[2] is not None)
