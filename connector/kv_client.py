@@ -120,6 +120,32 @@ class KVConnector:
         """Whole-chain restore from L3 into the pool (waits until done); then lookup/get."""
         return self.client.call("restore", chain=chain, ns=self.hasher.namespace or None, timeout_s=timeout_s)
 
+    # -- prefetch sessions (DESIGN §5) ----------------------------------------------------------
+    def prefetch(self, chain: bytes, req: str, *, policy: str | None = None, attempt: int = 0,
+                 budget_s: float | None = None, chunk_max_blocks: int | None = None, tokens: int | None = None,
+                 checkpoints=None, checkpoint_every: int | None = None) -> dict:
+        """Start (or join) the session for (group, req, attempt) at queue entry, with the full chain.
+
+        ``budget_s`` overrides the timeout policy's budget (default: the sidecar's
+        ``min(max, base + per_ki_token × tokens / 1024)``)."""
+        return self.client.call("prefetch", req=req, chain=chain, ns=self.hasher.namespace or None,
+                                attempt=attempt or None, policy=policy, budget_s=budget_s,
+                                chunk_max_blocks=chunk_max_blocks, tokens=tokens,
+                                checkpoints=list(checkpoints) if checkpoints is not None else None,
+                                checkpoint_every=checkpoint_every)
+
+    def demand(self, req: str, attempt: int = 0) -> dict:
+        """The request became a scheduling candidate (stops best_effort)."""
+        return self.client.call("demand", req=req, attempt=attempt or None)
+
+    def abort(self, req: str, attempt: int = 0) -> dict:
+        """The request left: stop, drain, release everything its session held."""
+        return self.client.call("abort", req=req, attempt=attempt or None)
+
+    def poll(self, req: str, attempt: int = 0, step: int | None = None) -> dict:
+        """Session state; with ``step`` the group's first answer for that step."""
+        return self.client.call("poll", req=req, attempt=attempt or None, step=step)
+
     def stats(self, check: bool = False) -> dict:
         r = self.client.call("stats", check=check or None)
         if check:

@@ -67,7 +67,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "restore": OpSchema({"chain": CHAIN}, {"ns": STR}),
     "prefetch": OpSchema(
         {"req": STR, "chain": CHAIN},
-        {"ns": STR, "attempt": INT, "policy": STR, "timeout_s": FLOAT, "chunk_max_blocks": INT,
+        {"ns": STR, "attempt": INT, "policy": STR, "budget_s": FLOAT, "chunk_max_blocks": INT,
          "tokens": INT, "checkpoints": INTLIST, "checkpoint_every": INT, "group": STR, "step": INT},
     ),
     "demand": OpSchema({"req": STR}, {"attempt": INT}),

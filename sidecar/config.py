@@ -79,6 +79,20 @@ class L3Config:
 
 
 @dataclasses.dataclass
+class SessionsConfig:
+    """Prefetch sessions (DESIGN §5)."""
+
+    policy_override: str = ""  # when set, replaces every request's policy
+    default_policy: str = "timeout"
+    chunk_max_blocks: int = 128
+    window: int = 2  # chunks in flight per session
+    timeout_base_s: float = 2.0
+    timeout_per_ki_token_s: float = 0.1
+    timeout_max_s: float = 30.0
+    retained_ttl_s: float = 30.0  # how long a terminal result stays pinned for its GET
+
+
+@dataclasses.dataclass
 class SidecarConfig:
     instance: str = "kvsidecar"
     run_dir: str = "/tmp/kvsidecar"  # ready marker and logs
@@ -87,6 +101,7 @@ class SidecarConfig:
     pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     l3: L3Config = dataclasses.field(default_factory=L3Config)
+    sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
 
     def validate(self) -> None:
         t = self.transport
@@ -103,6 +118,11 @@ class SidecarConfig:
         for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
             if getattr(self.limits, name) < 0:
                 raise ConfigError(f"limits.{name} must be >= 0")
+        policies = ("wait_complete", "timeout", "best_effort")
+        if self.sessions.policy_override not in ("",) + policies or self.sessions.default_policy not in policies:
+            raise ConfigError(f"sessions policies must be one of {policies}")
+        if self.sessions.chunk_max_blocks <= 0 or self.sessions.window <= 0:
+            raise ConfigError("sessions.chunk_max_blocks and sessions.window must be positive")
         if self.l3.backend not in ("file", "mooncake", "none"):
             raise ConfigError("l3.backend must be file, mooncake or none")
         if self.l3.fail not in ("", "first", "tail", "random", "keys"):

@@ -36,6 +36,7 @@ class KVCore:
         self.pinned_limit = limits.pinned_bytes_limit or pool_bytes
         self._reaper_due = float("inf")
         self.publish_hooks: list = []  # fn(staging) after an engine store was published
+        self.get_hooks: list = []  # fn(conn, msg) after a GET took its own reference
         sidecar.handlers.update({"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
                                  "store": self.op_store, "commit": self.op_commit})
         sidecar.kv_ops.update(("lookup", "get", "release", "store", "commit"))
@@ -59,7 +60,7 @@ class KVCore:
             return None
         return (conn.info.group, op, msg["req"], msg.get("attempt", 0), msg["step"])
 
-    def _decided(self, conn, op, msg, compute):
+    def decided(self, conn, op, msg, compute):
         """Replay the group's recorded answer for this step, or compute and record it."""
         key = self._decision_key(conn, op, msg)
         if key is not None:
@@ -77,10 +78,10 @@ class KVCore:
             raise
         if key is not None:
             self.decisions.record(key, conn.info.rank, conn.info.group_size, result, time.monotonic())
-            self._arm_reaper(self.decisions.next_expiry())
+            self.arm_reaper(self.decisions.next_expiry())
         return dict(result)
 
-    def _arm_reaper(self, due) -> None:
+    def arm_reaper(self, due) -> None:
         if due is not None and due < self._reaper_due:
             self._reaper_due = due
             self.sidecar.call_at(due, self._reap)
@@ -94,7 +95,7 @@ class KVCore:
         if expired or aborted:
             log.info("reaper: %d leases expired, %d stagings aborted", expired, aborted)
         for due in (self.leases.next_deadline(), self.staging.next_deadline(), self.decisions.next_expiry()):
-            self._arm_reaper(due)
+            self.arm_reaper(due)
 
     def _client_gone(self, conn) -> None:
         if conn.info is None:
@@ -105,7 +106,7 @@ class KVCore:
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:
-        return self._decided(conn, "lookup", msg, lambda grouped: {"hit": self.index.match(msg["chain"])})
+        return self.decided(conn, "lookup", msg, lambda grouped: {"hit": self.index.match(msg["chain"])})
 
     def op_get(self, conn, msg) -> dict:
         def compute(grouped: bool) -> dict:
@@ -126,10 +127,13 @@ class KVCore:
             else:
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
                                         owner=self._owner(conn))
-            self._arm_reaper(lease.deadline)
+            self.arm_reaper(lease.deadline)
             return {"lease": lease.id, "blocks": blocks, "count": n}
 
-        return self._decided(conn, "get", msg, compute)
+        result = self.decided(conn, "get", msg, compute)
+        for hook in self.get_hooks:
+            hook(conn, msg)
+        return result
 
     def op_release(self, conn, msg) -> dict:
         try:
@@ -180,10 +184,10 @@ class KVCore:
                                    start=start, blocks=blocks, parent=parent, prefix_lease=prefix_lease,
                                    writers=writers, ttl_s=self.limits.staging_ttl_s, now=now,
                                    ns=msg.get("ns") or "", l3=bool(msg.get("l3")))
-            self._arm_reaper(st.deadline)
+            self.arm_reaper(st.deadline)
             return {"staging": st.id, "start": start, "count": count, "blocks": blocks, "resident": start}
 
-        return self._decided(conn, "store", msg, compute)
+        return self.decided(conn, "store", msg, compute)
 
     def op_commit(self, conn, msg) -> dict:
         st = self.staging.records.get(msg["staging"])

@@ -40,6 +40,7 @@ class PrefixIndex:
         self.block_bytes = block_bytes
         self.native = BlockIndex(num_blocks)
         self.staging: dict[bytes, int] = {}
+        self.resolve_hooks: list = []  # fn(key, published: bool) when a staged key is published or dropped
         n = self.native
         # hot-path methods, bound once
         self.match = n.match
@@ -53,10 +54,27 @@ class PrefixIndex:
         self.release_staging = n.release_staging
         self.find = n.find
 
+    def stage(self, key: bytes, block: int) -> None:
+        self.staging[key] = block
+
     def publish(self, key: bytes, block: int, parent: int) -> None:
-        if self.staging.get(key) == block:
+        staged = self.staging.get(key) == block
+        if staged:
             del self.staging[key]
         self.native.publish(key, block, parent)
+        if staged:
+            for hook in self.resolve_hooks:
+                hook(key, True)
+
+    def drop_staging(self, key: bytes, block: int) -> None:
+        """A staged block whose data never landed (or was abandoned) goes back to FREE."""
+        staged = self.staging.get(key) == block
+        if staged:
+            del self.staging[key]
+        self.native.release_staging(block)
+        if staged:
+            for hook in self.resolve_hooks:
+                hook(key, False)
 
     # -- counts ---------------------------------------------------------------------------------
     @property

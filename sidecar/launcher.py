@@ -24,6 +24,7 @@ from .core import KVCore
 from .l3.base import L3Error
 from .l3.tier import L3Tier
 from .l3ops import L3Ops
+from .sessions import SessionManager
 from .pool_memory import create_pool_segment
 from .server import Sidecar
 
@@ -92,6 +93,7 @@ class SidecarHost:
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes)
                 L3Ops(self.core, self.tier)
                 self.tier.start()
+            self.sessions = SessionManager(self.core, self.tier, cfg.sessions)
         except BaseException:
             self.close()
             raise

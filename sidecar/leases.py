@@ -70,6 +70,16 @@ class LeaseTable:
         self.counters[f"leases_{kind}"] += 1
         return lease
 
+    def adopt(self, blocks: bytes, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
+              holders=None) -> Lease:
+        """A lease over blocks the caller has already pinned (the pins move to the lease)."""
+        lease = Lease(next(self._ids), blocks, now + ttl_s, kind, owner, group,
+                      set(holders) if holders is not None else None, now)
+        self.leases[lease.id] = lease
+        heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+        self.counters[f"leases_{kind}"] += 1
+        return lease
+
     def drop(self, lease: Lease, reason: str) -> None:
         """Unpin and forget ``lease`` (exactly once)."""
         if self.leases.pop(lease.id, None) is None:

@@ -55,7 +55,7 @@ class StagingTable:
         st = Staging(next(self._ids), group, chain, start, blocks, parent, prefix_lease, set(writers),
                      deadline, ns, l3, source)
         for i, b in enumerate(unpack_ids(blocks)):
-            self.index.staging[chain[i * KEY:(i + 1) * KEY]] = b
+            self.index.stage(chain[i * KEY:(i + 1) * KEY], b)
         self.records[st.id] = st
         if ttl_s is not None:
             heapq.heappush(self._deadlines, (st.deadline, st.id))
@@ -79,9 +79,7 @@ class StagingTable:
                 self.index.publish(key, b, parent)
                 parent = b
             else:
-                if self.index.staging.get(key) == b:
-                    del self.index.staging[key]
-                self.index.release_staging(b)
+                self.index.drop_staging(key, b)
         self.published_blocks += n
         self.aborted_blocks += len(ids) - n
         if st.prefix_lease is not None:
@@ -111,10 +109,7 @@ class StagingTable:
         if self.records.pop(st.id, None) is None:
             return
         for i, b in enumerate(unpack_ids(st.blocks)):
-            key = st.chain[i * KEY:(i + 1) * KEY]
-            if self.index.staging.get(key) == b:
-                del self.index.staging[key]
-            self.index.release_staging(b)
+            self.index.drop_staging(st.chain[i * KEY:(i + 1) * KEY], b)
         self.aborted_blocks += len(st.blocks) // 4
         if st.prefix_lease is not None:
             self.leases.drop(st.prefix_lease, f"store_{reason}")

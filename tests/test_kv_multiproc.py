@@ -274,7 +274,7 @@ def test_layout_mismatch_names_the_field(sidecar_factory, instance):
 def test_concurrent_groups_with_skewed_ranks_agree_and_verify(sidecar_factory, instance, spawn_ctx):
     """2 groups x 2 ranks running at once, ranks skewed: identical decisions, exact data, no leaks."""
     lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=4, tp_size=2)
-    sidecar_factory(**layout_overrides(lay, num_blocks=48))  # small: evictions happen
+    sidecar_factory(**layout_overrides(lay, num_blocks=64))  # small: evictions and refusals happen
     jobs = []
     for gi, group in enumerate(("G0", "G1")):
         for rank in range(2):
@@ -292,7 +292,7 @@ def test_concurrent_groups_with_skewed_ranks_agree_and_verify(sidecar_factory, i
     for group in ("G0", "G1"):
         d0, bad0, lim0 = results[(group, 0)]
         d1, bad1, lim1 = results[(group, 1)]
-        assert bad0 == 0 and bad1 == 0 and lim0 == lim1 < 20
+        assert bad0 == 0 and bad1 == 0 and lim0 == lim1 < 40  # refusals are group decisions too
         assert d0 == d1  # every store and get decision identical across the group's ranks
         assert any(len(d) == 5 and d[4] > 0 for d in d0), d0
     s = checked_stats(instance, lay)

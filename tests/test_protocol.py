@@ -46,7 +46,7 @@ def test_round_trip():
     (req(op="release", lease=-5), ErrorCode.MALFORMED, 7),
     (req(op="release", lease=True), ErrorCode.MALFORMED, 7),
     (req(op="get", chain=b"", ns="x" * 300), ErrorCode.TOO_LARGE, 7),
-    (req(op="prefetch", req="r", chain=b"", timeout_s=-1.0), ErrorCode.BAD_FIELD, 7),
+    (req(op="prefetch", req="r", chain=b"", budget_s=-1.0), ErrorCode.BAD_FIELD, 7),
     (req(op="prefetch", req="r", chain=b"", checkpoints=[1, "a"]), ErrorCode.MALFORMED, 7),
     (msgpack.packb({"v": 1, "op": "ping", "id": 1, 5: 1}), ErrorCode.MALFORMED, None),
     (msgpack.packb({"v": 1, "op": "ping", "id": 1, "x": msgpack.ExtType(1, b"a")}), ErrorCode.MALFORMED, None),
@@ -85,7 +85,7 @@ _values = st.recursive(
 
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(sorted(p.OP_SCHEMAS)), st.dictionaries(st.sampled_from(
-    ["chain", "lease", "req", "ns", "max_blocks", "payload", "staging", "ok", "timeout_s", "checkpoints",
+    ["chain", "lease", "req", "ns", "max_blocks", "payload", "staging", "ok", "budget_s", "checkpoints",
      "instance", "group", "rank", "group_size", "pid", "start", "layout", "attempt", "step"]), _values, max_size=6))
 def test_structured_fuzz_never_crashes(op, fields):
     msg = {"v": 1, "op": op, "id": 1, **fields}

@@ -1,0 +1,416 @@
+"""Prefetch sessions on the control thread: carries out the pure machine's actions.
+
+One session per (group, request, attempt); any rank may send ``prefetch``, ``demand``,
+``abort`` or ``poll``.  The executor owns the I/O side of each session:
+
+* **Claim**: classify the chunk's positions — already resident (pinned now), being
+  staged by someone else (awaited: in-flight de-duplication, one publication serves
+  all), or ours to read.  Admission reserves staging within ``reserved_bytes_limit``
+  and keeps pinned + outstanding staging within ``pinned_bytes_limit``; a shortfall
+  shrinks the claim and the session stops claiming.  Our blocks are read on the L3
+  read lane.
+* **Publish**: our blocks become resident in chain order (the parent is always
+  pinned by the session); every block of the prefix stays pinned by the session.
+* **Drop**: our blocks go back to FREE — only ever after their read completed.
+* **Finish**: the prefix ``[0, P)`` moves into a *prefetch lease* kept for
+  ``retained_ttl_s``; a ``get`` for the request takes its own reference and then
+  drops the prefetch lease in the same control-thread step (no eviction window).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+
+from shm.errors import ErrorCode
+
+from .core import KVCore
+from .index import KEY, pack_ids
+from .l3.tier import L3Tier
+from .server import OpError
+from .session import Claim, Drop, Finish, Params, Policy, Publish, Query, Session, State
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ChunkIO:
+    start: int
+    count: int
+    kinds: list  # per position: "have" | "shared" | "own"
+    own_blocks: dict  # position -> staging block
+    shared_ok: dict  # position -> None (waiting) | bool
+    read_ok: dict | None = None  # position -> bool once our read completed
+    reading: bool = False
+
+
+@dataclasses.dataclass
+class Record:
+    id: int
+    key: tuple  # (group, req, attempt)
+    machine: Session
+    chain: bytes
+    ns: str
+    policy: str
+    created: float
+    pins: dict  # position -> block pinned by this session
+    chunks: dict = dataclasses.field(default_factory=dict)
+    result_lease: object = None
+    trigger_at: float | None = None
+    sealed_at: float | None = None
+    terminal_at: float | None = None
+    chunk_times: list = dataclasses.field(default_factory=list)
+    restored: int = 0
+
+
+class SessionManager:
+    def __init__(self, core: KVCore, tier: L3Tier | None, cfg):
+        self.core = core
+        self.tier = tier
+        self.cfg = cfg
+        self.sidecar = core.sidecar
+        self.index = core.index
+        self.records: dict[tuple, Record] = {}
+        self.by_id: dict[int, Record] = {}
+        self._ids = itertools.count(1)
+        self.waiters: dict[bytes, list] = collections.defaultdict(list)  # key -> [(sid, chunk, pos)]
+        self.counters = collections.Counter()
+        self.stop_ms: dict[str, list] = collections.defaultdict(list)
+        self.drain_ms: list = []
+        self.chunk_ms: list = []
+        self.outstanding_staging = 0  # blocks staged by sessions and not yet resolved
+        s = self.sidecar
+        s.handlers.update({"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
+                           "poll": self.op_poll})
+        s.kv_ops.update(("prefetch", "demand", "abort", "poll"))
+        s.client_gone_hooks.append(self._client_gone)
+        s.stats_providers.append(self.stats)
+        self.index.resolve_hooks.append(self._key_resolved)
+        core.get_hooks.append(self._handoff)
+
+    # -- ops --------------------------------------------------------------------------------------
+    def _key(self, conn, msg) -> tuple:
+        return (conn.info.group, msg["req"], msg.get("attempt", 0))
+
+    def op_prefetch(self, conn, msg) -> dict:
+        key = self._key(conn, msg)
+        rec = self.records.get(key)
+        if rec is not None:  # another rank (or a retry) of the same request: one session
+            return self._view(rec, existed=True)
+        c = self.cfg
+        policy = c.policy_override or msg.get("policy") or c.default_policy
+        try:
+            policy = Policy(policy)
+        except ValueError:
+            raise OpError(ErrorCode.BAD_FIELD, f"unknown policy {policy!r}") from None
+        chain = msg["chain"]
+        total = len(chain) // KEY
+        now = time.monotonic()
+        resident = self.index.match(chain)
+        tokens = msg.get("tokens") or total * self.core.layout.tokens_per_block
+        deadline = None
+        if policy == Policy.TIMEOUT:
+            budget = msg.get("budget_s")
+            if budget is None:
+                budget = min(c.timeout_max_s, c.timeout_base_s + c.timeout_per_ki_token_s * tokens / 1024)
+            deadline = now + budget
+        chunk = msg.get("chunk_max_blocks") or c.chunk_max_blocks
+        params = Params(policy, total, resident, chunk, c.window, deadline,
+                        checkpoint_every=msg.get("checkpoint_every") or 0,
+                        checkpoints=frozenset(msg.get("checkpoints") or ()))
+        rec = Record(next(self._ids), key, Session(params), chain, msg.get("ns") or "", policy.value, now, {})
+        if resident:  # the resident prefix must not shrink while the session runs
+            ids = self.index.resident_ids(chain, resident)
+            self.index.pin(ids)
+            rec.pins.update(enumerate(_unpack(ids)))
+        self.records[key] = rec
+        self.by_id[rec.id] = rec
+        self.counters[f"started_{policy.value}"] += 1
+        if deadline is not None:
+            self.sidecar.call_at(deadline, self._feed, rec.id, "tick")
+        self._run(rec, rec.machine.start(now))
+        return self._view(rec)
+
+    def op_demand(self, conn, msg) -> dict:
+        rec = self.records.get(self._key(conn, msg))
+        if rec is None:
+            raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
+        self._trigger(rec, "demand")
+        self._run(rec, rec.machine.demand(time.monotonic()))
+        return self._view(rec)
+
+    def op_abort(self, conn, msg) -> dict:
+        rec = self.records.get(self._key(conn, msg))
+        if rec is None:
+            return {"state": "unknown"}  # idempotent: nothing to abort
+        self._trigger(rec, "abort")
+        self._run(rec, rec.machine.abort(time.monotonic()))
+        if rec.result_lease is not None:  # the request left: its result is not needed
+            self.core.leases.drop(rec.result_lease, "aborted")
+            rec.result_lease = None
+        return self._view(rec)
+
+    def op_poll(self, conn, msg) -> dict:
+        def compute(grouped):
+            rec = self.records.get(self._key(conn, msg))
+            if rec is None:
+                return {"state": "unknown"}
+            return self._view(rec)
+
+        return self.core.decided(conn, "poll", msg, compute)
+
+    def _view(self, rec: Record, existed: bool = False) -> dict:
+        m = rec.machine
+        out = {"session": rec.id, "state": m.state.value, "policy": rec.policy, "published": m.published,
+               "target": m.target, "existed": existed}
+        if m.state == State.TERMINAL:
+            out.update(status=m.status.value, prefix=m.prefix, reason=m.reason,
+                       lease=rec.result_lease.id if rec.result_lease is not None else 0)
+        return out
+
+    # -- event plumbing ---------------------------------------------------------------------------
+    def _trigger(self, rec: Record, why: str) -> None:
+        if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
+            rec.trigger_at = time.monotonic()
+            rec.trigger = why
+
+    def _feed(self, sid: int, event: str, *args) -> None:
+        rec = self.by_id.get(sid)
+        if rec is None:
+            return
+        now = time.monotonic()
+        m = rec.machine
+        if event == "tick":
+            if m.state != State.TERMINAL:
+                self._trigger(rec, "deadline")
+            actions = m.tick(now)
+        elif event == "query":
+            actions = m.query_done(args[0], now)
+        elif event == "chunk":
+            actions = m.chunk_done(args[0], args[1], now)
+        else:
+            raise ValueError(event)
+        self._run(rec, actions)
+
+    def _run(self, rec: Record, actions: list) -> None:
+        """Carry out actions; executing one may produce more (e.g. a limit shrinks a claim)."""
+        queue = collections.deque(actions)
+        while queue:
+            a = queue.popleft()
+            if isinstance(a, Query):
+                self._query(rec, a)
+            elif isinstance(a, Claim):
+                queue.extend(self._claim(rec, a))
+            elif isinstance(a, Publish):
+                self._publish(rec, a)
+            elif isinstance(a, Drop):
+                self._drop(rec, a)
+            elif isinstance(a, Finish):
+                self._finish(rec, a)
+        if rec.machine.sealed and rec.sealed_at is None:
+            rec.sealed_at = time.monotonic()
+
+    def _query(self, rec: Record, a: Query) -> None:
+        if self.tier is None:
+            self.sidecar.post(self._feed, rec.id, "query", 0)
+            return
+        self.tier.lookup(rec.ns, rec.chain[a.start * KEY:], lambda hits: self._feed(rec.id, "query", hits))
+
+    def _claim(self, rec: Record, a: Claim) -> list:
+        idx, core = self.index, self.core
+        bb = idx.block_bytes
+        reserved_room = core.reserved_limit // bb - idx.staged
+        pinned_room = core.pinned_limit // bb - idx.pinned - self.outstanding_staging
+        kinds, own_positions = [], []
+        granted = 0
+        for pos in range(a.start, a.start + a.count):
+            key = rec.chain[pos * KEY:(pos + 1) * KEY]
+            if idx.find(key) >= 0:
+                kind = "have"
+                need = 1 if idx.refcount(idx.find(key)) == 0 else 0
+            elif key in idx.staging:
+                kind, need = "shared", 0
+            else:
+                kind, need = "own", 1
+            if kind == "own" and len(own_positions) + 1 > reserved_room:
+                break
+            if len(own_positions) + need > pinned_room:
+                break
+            if kind == "own":
+                own_positions.append(pos)
+            kinds.append(kind)
+            granted += 1
+        short = len(own_positions) - idx.free
+        if short > 0:
+            idx.evict(short)
+            if idx.free < len(own_positions):  # cannot make room: everything else is pinned
+                keep = idx.free
+                cut = own_positions[keep] - a.start if keep < len(own_positions) else granted
+                granted = min(granted, cut)
+                kinds = kinds[:granted]
+                own_positions = own_positions[:keep]
+        extra = []
+        if granted < a.count:
+            self.counters["claims_limited"] += 1
+            extra = rec.machine.claim_granted(a.chunk, granted, time.monotonic())
+            if granted == 0:
+                return extra
+        io = ChunkIO(a.start, granted, kinds, {}, {})
+        rec.chunks[a.chunk] = io
+        blocks = _unpack(idx.alloc(len(own_positions))) if own_positions else []
+        for pos, b in zip(own_positions, blocks):
+            io.own_blocks[pos] = b
+            idx.stage(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+        self.outstanding_staging += len(blocks)
+        for off, kind in enumerate(kinds):
+            pos = a.start + off
+            key = rec.chain[pos * KEY:(pos + 1) * KEY]
+            if kind == "have":
+                b = idx.find(key)
+                idx.pin(pack_ids([b]))
+                rec.pins[pos] = b
+            elif kind == "shared":
+                io.shared_ok[pos] = None
+                self.waiters[key].append((rec.id, a.chunk, pos))
+                self.counters["blocks_deduplicated"] += 1
+        io.t0 = time.monotonic()
+        if own_positions:
+            io.reading = True
+            keys = b"".join(rec.chain[p * KEY:(p + 1) * KEY] for p in own_positions)
+            self.tier.load(rec.ns, keys, pack_ids(blocks),
+                           lambda ok, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, ok))
+        else:
+            io.read_ok = {}
+            self._maybe_chunk_done(rec, a.chunk)
+        return extra
+
+    def _read_done(self, sid: int, chunk: int, ok: list) -> None:
+        rec = self.by_id.get(sid)
+        io = rec.chunks.get(chunk) if rec else None
+        if io is None:
+            return
+        io.reading = False
+        io.read_ok = dict(zip(sorted(io.own_blocks), ok))
+        self._maybe_chunk_done(rec, chunk)
+
+    def _key_resolved(self, key: bytes, published: bool) -> None:
+        for sid, chunk, pos in self.waiters.pop(key, ()):
+            rec = self.by_id.get(sid)
+            io = rec.chunks.get(chunk) if rec else None
+            if io is None:
+                continue
+            if published:  # pin it now: it must still be there when we publish past it
+                b = self.index.find(key)
+                self.index.pin(pack_ids([b]))
+                rec.pins[pos] = b
+            io.shared_ok[pos] = published
+            self._maybe_chunk_done(rec, chunk)
+
+    def _maybe_chunk_done(self, rec: Record, chunk: int) -> None:
+        io = rec.chunks[chunk]
+        if io.read_ok is None or any(v is None for v in io.shared_ok.values()):
+            return
+        ok = []
+        for off, kind in enumerate(io.kinds):
+            pos = io.start + off
+            ok.append(True if kind == "have" else io.shared_ok[pos] if kind == "shared" else io.read_ok[pos])
+        self.chunk_ms.append((time.monotonic() - io.t0) * 1e3)
+        # deliver as an event so it is never re-entered from inside a claim
+        self.sidecar.post(self._feed, rec.id, "chunk", chunk, ok)
+
+    def _publish(self, rec: Record, a: Publish) -> None:
+        io = rec.chunks[a.chunk]
+        idx = self.index
+        for pos in range(io.start, io.start + a.count):
+            b = io.own_blocks.pop(pos, None)
+            if b is not None:
+                parent = rec.pins[pos - 1] if pos else -1
+                idx.publish(rec.chain[pos * KEY:(pos + 1) * KEY], b, parent)
+                idx.pin(pack_ids([b]))
+                rec.pins[pos] = b
+                self.outstanding_staging -= 1
+                rec.restored += 1
+        if a.count == io.count:
+            del rec.chunks[a.chunk]
+
+    def _drop(self, rec: Record, a: Drop) -> None:
+        io = rec.chunks.pop(a.chunk, None)
+        if io is None:
+            return
+        idx = self.index
+        for pos in range(io.start + a.offset, io.start + io.count):
+            b = io.own_blocks.pop(pos, None)
+            if b is not None:
+                idx.drop_staging(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+                self.outstanding_staging -= 1
+            elif pos in rec.pins and pos >= rec.machine.published:
+                idx.unpin(pack_ids([rec.pins.pop(pos)]))
+
+    def _finish(self, rec: Record, a: Finish) -> None:
+        now = time.monotonic()
+        rec.terminal_at = now
+        prefix_ids = [rec.pins.pop(p) for p in range(a.prefix)]
+        rest = list(rec.pins.values())
+        rec.pins.clear()
+        if rest:
+            self.index.unpin(pack_ids(rest))
+        if prefix_ids and a.status.value != "aborted":
+            rec.result_lease = self.core.leases.adopt(
+                pack_ids(prefix_ids), ttl_s=self.cfg.retained_ttl_s, now=now, kind="prefetch",
+                owner=("session", rec.id))
+            self.core.arm_reaper(rec.result_lease.deadline)
+        elif prefix_ids:
+            self.index.unpin(pack_ids(prefix_ids))
+        self.counters[f"terminal_{a.status.value}"] += 1
+        self.counters["restored_blocks"] += rec.restored
+        if rec.trigger_at is not None:
+            self.stop_ms[getattr(rec, "trigger", "other")].append((now - rec.trigger_at) * 1e3)
+        if rec.sealed_at is not None:
+            self.drain_ms.append((now - rec.sealed_at) * 1e3)
+        self.sidecar.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
+        log.debug("session %d %s: prefix %d (%s)", rec.id, a.status.value, a.prefix, a.reason)
+
+    def _forget(self, sid: int) -> None:
+        rec = self.by_id.pop(sid, None)
+        if rec is not None and self.records.get(rec.key) is rec:
+            del self.records[rec.key]
+
+    # -- hand-off and cleanup ---------------------------------------------------------------------
+    def _handoff(self, conn, msg) -> None:
+        """After a GET took its own reference: the request's prefetch result is no longer needed."""
+        if msg.get("req") is None:
+            return
+        rec = self.records.get(self._key(conn, msg))
+        if rec is not None and rec.result_lease is not None:
+            self.core.leases.drop(rec.result_lease, "handed_off")
+            rec.result_lease = None
+            self.counters["handoffs"] += 1
+
+    def _client_gone(self, conn) -> None:
+        if conn.info is None:
+            return
+        group = conn.info.group
+        if any(c is not conn and c.info is not None and c.info.group == group
+               for c in self.sidecar.clients.values()):
+            return  # other ranks of the group are still here
+        for rec in list(self.records.values()):
+            if rec.key[0] == group:
+                self._trigger(rec, "abort")
+                self._run(rec, rec.machine.abort(time.monotonic()))
+                if rec.result_lease is not None:
+                    self.core.leases.drop(rec.result_lease, "client_gone")
+                    rec.result_lease = None
+
+    def stats(self) -> dict:
+        by_state = collections.Counter(r.machine.state.value for r in self.records.values())
+        return {"sessions": {"by_state": dict(by_state), "outstanding_staging": self.outstanding_staging,
+                             **dict(self.counters)}}
+
+
+def _unpack(blob: bytes) -> list:
+    from .index import unpack_ids
+
+    return list(unpack_ids(blob))
