@@ -167,6 +167,9 @@ def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, se
     shard = lay.shard_of(rank)
     kc = KVConnector(instance, lay, rank=rank, group=group)
     kc.attach()
+    conn.send("attached")
+    if not conn.poll(60) or conn.recv() != "go":  # every rank starts together; skew is the jitter below
+        return
     rng = random.Random(seed)  # the request stream: identical on every rank of the group
     skew_rng = random.Random(seed * 7 + rank)  # per-rank timing only
     shape = (lay.tokens_per_block, lay.heads_per_shard, lay.head_dim)

@@ -283,6 +283,10 @@ def test_concurrent_groups_with_skewed_ranks_agree_and_verify(sidecar_factory, i
                                   args=(instance, lay.as_dict(), rank, group, 100 + gi, 40, 0.003, b))
             p.start()
             jobs.append((group, rank, a, p))
+    for _, _, a, _ in jobs:
+        assert a.poll(60) and a.recv() == "attached"
+    for _, _, a, _ in jobs:
+        a.send("go")
     results = {}
     for group, rank, a, p in jobs:
         assert a.poll(120), f"{group}/{rank} hung"
