@@ -210,3 +210,15 @@ def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, se
         decisions.append((st.id, st.start, st.count, lease.id, lease.count))
     kc.detach()
     conn.send((decisions, bad, limited))
+
+
+def prefetch_and_block(instance: str, layout_dict: dict, chain: bytes, conn) -> None:
+    """Start a prefetch, report, then wait to be killed."""
+    from connector.kv_client import KVConnector
+    from shm.layout import KVLayout
+
+    kc = KVConnector(instance, KVLayout(**layout_dict), group="doomed")
+    kc.attach()
+    kc.prefetch(chain, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+    conn.send("started")
+    conn.poll(60)

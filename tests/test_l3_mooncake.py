@@ -174,3 +174,38 @@ def test_store_accounting_counts_only_written_blocks(node_pair, instance, moonca
         with pytest.raises(RemoteError) as ei:
             c.client.call("release", lease=5)
         assert ei.value.code == ErrorCode.UNKNOWN_ID
+
+
+def _wait_terminal(c, req, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = c.poll(req)
+        if p["state"] == "terminal":
+            return p
+        time.sleep(0.005)
+    raise AssertionError(p)
+
+
+def test_sessions_against_real_mooncake(node_pair, instance):
+    """Deadline-cut, full and best-effort sessions reading from a real Mooncake cluster."""
+    a = node_pair("a")
+    b = node_pair("b", **{"l3.latency_ms": 10.0, "l3.mooncake_global_segment_bytes": 0})
+    kv = kv_data(40)
+    tokens = list(range(8 * 40))
+    store_l3(a.instance, kv, tokens)
+    with KVConnector(b.instance, LAY) as c:
+        chain = c.hasher.chain(tokens)
+        c.prefetch(chain, "short", policy="timeout", budget_s=0.02, chunk_max_blocks=4)
+        p = _wait_terminal(c, "short")
+        assert p["status"] == "timeout" and 0 < p["prefix"] < 40
+        c.prefetch(chain, "long", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        p = _wait_terminal(c, "long")
+        assert p["status"] == "complete" and p["prefix"] == 40
+        lease = c.get(chain, req="long", step=1)
+        out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+        c.load(lease, out, list(range(lease.count)))
+        c.release(lease)
+        assert all(torch.equal(x, y) for lx, ly in zip(kv, out) for x, y in zip(lx, ly))
+        c.abort("short")
+        st = c.stats(check=True)
+        assert st["invariants"] == "" and st["pool"]["staging"] == 0 and st["leases"]["live"] == 0

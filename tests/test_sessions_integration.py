@@ -1,0 +1,218 @@
+"""Prefetch sessions through real processes and a shaped L3 (file store with latency)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from connector.kv_client import KVConnector
+from shm.errors import ErrorCode, RemoteError
+from shm.layout import KVLayout
+
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
+N = 48  # blocks in the test chain
+TOKENS = list(range(4 * N))
+
+
+def overrides(tmp_path, **extra):
+    d = {f"layout.{k}": v for k, v in LAY.as_dict().items()}
+    d.update({"pool.num_blocks": 160, "l3.file_dir": str(tmp_path / "l3")})
+    d.update(extra)
+    return d
+
+
+@pytest.fixture
+def kv():
+    torch.manual_seed(0)
+    return [tuple(torch.randn(N, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+
+
+@pytest.fixture
+def l3_filled(sidecar_factory, instance, tmp_path, kv):
+    """Write the test chain to the file store through one sidecar, then stop it."""
+    sp = sidecar_factory(**overrides(tmp_path))
+    with KVConnector(instance, LAY) as c:
+        chain = c.hasher.chain(TOKENS)
+        st = c.store(chain, l3=True)
+        c.save(st, kv, list(range(st.count)))
+        c.commit(st)
+        deadline = time.monotonic() + 10
+        while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    sp.stop()
+    return chain
+
+
+def wait_terminal(c, req, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = c.poll(req)
+        if p["state"] == "terminal":
+            return p
+        time.sleep(0.005)
+    raise AssertionError(f"session {req} not terminal: {p}")
+
+
+def get_and_check(c, chain, req, kv):
+    lease = c.get(chain, req=req, step=1)
+    out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+    c.load(lease, out, list(range(lease.count)))
+    c.release(lease)
+    n = lease.count
+    assert all(torch.equal(a[:n], b[:n]) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+    return n
+
+
+def books(c):
+    s = c.stats(check=True)
+    assert s["invariants"] == "", s["invariants"]
+    return s
+
+
+def test_short_deadline_returns_a_drained_short_prefix(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 15.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=0.02, chunk_max_blocks=4)
+        p = wait_terminal(c, "r")
+        assert p["status"] == "timeout" and 0 < p["prefix"] < N
+        assert p["published"] == p["prefix"]  # the drain published what was claimed, nothing more
+        n = get_and_check(c, l3_filled, "r", kv)
+        assert n == p["prefix"]  # the engine recomputes blocks [n, N)
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_long_timeout_restores_everything(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 5.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        p = wait_terminal(c, "r")
+        assert p["status"] == "complete" and p["prefix"] == N
+        assert get_and_check(c, l3_filled, "r", kv) == N
+        s = books(c)
+        assert s["sessions"]["handoffs"] == 1 and s["leases"]["live"] == 0
+
+
+def test_best_effort_stops_on_demand_and_completes_when_queued(sidecar_factory, instance, tmp_path, kv,
+                                                                  l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
+        time.sleep(0.03)
+        t0 = time.monotonic()
+        c.demand("a")
+        p = wait_terminal(c, "a")
+        assert time.monotonic() - t0 < 0.5
+        assert p["status"] == "demanded" and p["prefix"] < N
+        get_and_check(c, l3_filled, "a", kv)
+    with KVConnector(instance, LAY, namespace="") as c:
+        c.prefetch(l3_filled, "b", policy="best_effort", chunk_max_blocks=4)  # never demanded
+        p = wait_terminal(c, "b")
+        assert p["status"] == "complete" and p["prefix"] == N
+        assert get_and_check(c, l3_filled, "b", kv) == N
+        books(c)
+
+
+def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        time.sleep(0.04)
+        v = c.abort("r")
+        assert v["state"] in ("draining", "terminal")
+        p = wait_terminal(c, "r")
+        assert p["status"] == "aborted" and p["lease"] == 0
+        assert c.abort("r")["status"] == "aborted"  # idempotent
+        assert c.abort("never-started")["state"] == "unknown"
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+        assert s["sessions"]["outstanding_staging"] == 0
+
+
+def test_two_ranks_one_session_and_consistent_polls(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    lay2 = KVLayout(**{**LAY.as_dict(), "num_kv_heads": 2, "tp_size": 1})
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0}))
+    a = KVConnector(instance, lay2, rank=0, group="G")
+    a.attach()
+    b = KVConnector(instance, lay2, rank=0, group="G")  # a second client of the same group
+    b.attach()
+    va = a.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+    vb = b.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+    assert va["session"] == vb["session"] and vb["existed"] is True
+    wait_terminal(a, "r")
+    a.detach()
+    b.detach()
+
+
+def test_shared_prefix_is_read_once(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "x", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        c.prefetch(l3_filled, "y", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        px, py = wait_terminal(c, "x"), wait_terminal(c, "y")
+        assert px["prefix"] == py["prefix"] == N
+        s = books(c)
+        assert s["l3"]["read_blocks_ok"] == N  # every block read from L3 exactly once
+        assert s["sessions"]["blocks_deduplicated"] > 0
+        assert get_and_check(c, l3_filled, "y", kv) == N
+
+
+def test_limits_stop_claiming_and_end_with_what_it_has(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    bb = LAY.block_bytes
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 5.0, "limits.pinned_bytes_limit": 20 * bb}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        p = wait_terminal(c, "r")
+        assert p["reason"] == "limit" and 0 < p["prefix"] <= 20
+        assert get_and_check(c, l3_filled, "r", kv) == p["prefix"]
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0
+
+
+def test_checkpoints_and_failure_cut(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.fail": "keys", "l3.fail_keys": [l3_filled[30 * 16:31 * 16].hex()]}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8, checkpoint_every=7)
+        p = wait_terminal(c, "r")
+        assert p["status"] == "failed" and p["published"] == 30 and p["prefix"] == 28  # last checkpoint <= 30
+        assert get_and_check(c, l3_filled, "r", kv) >= 28
+        s = books(c)
+        assert s["pool"]["staging"] == 0
+
+
+def test_client_death_aborts_its_sessions(sidecar_factory, instance, tmp_path, kv, l3_filled, spawn_ctx):
+    from . import procs
+
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}))
+    a, b = spawn_ctx.Pipe()
+    p = spawn_ctx.Process(target=procs.prefetch_and_block, args=(instance, LAY.as_dict(), l3_filled, b))
+    p.start()
+    assert a.poll(30) and a.recv() == "started"
+    p.kill()
+    p.join(5)
+    with KVConnector(instance, LAY, group="observer") as c:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            s = books(c)
+            if s["sessions"].get("terminal_aborted") == 1 and s["pool"]["staging"] == 0:
+                break
+            time.sleep(0.02)
+        assert s["sessions"]["terminal_aborted"] == 1
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_unknown_request_and_bad_policy(sidecar_factory, instance, tmp_path):
+    sidecar_factory(**overrides(tmp_path))
+    with KVConnector(instance, LAY) as c:
+        with pytest.raises(RemoteError) as ei:
+            c.demand("nope")
+        assert ei.value.code == ErrorCode.UNKNOWN_ID
+        with pytest.raises(RemoteError) as ei:
+            c.prefetch(c.hasher.chain(TOKENS), "r", policy="yolo")
+        assert ei.value.code == ErrorCode.BAD_FIELD
+        assert c.poll("nope")["state"] == "unknown"
+        p = c.prefetch(c.hasher.chain(TOKENS), "empty", policy="timeout")
+        assert wait_terminal(c, "empty")["status"] == "no_hit"
+        assert p["session"] > 0
