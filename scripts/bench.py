@@ -19,6 +19,7 @@ SUITES = {
     "ring": "bench_ring",
     "load": "bench_load",
     "l3": "bench_l3",
+    "stop": "bench_stop",
 }
 
 

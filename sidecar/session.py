@@ -256,6 +256,18 @@ class Session:
             self._seal(Status.TIMEOUT, "deadline")
         return self._advance()
 
+    def chunk_cancelled(self, chunk: int, now: float) -> list:
+        """After a stop: a claimed chunk whose read never started was withdrawn from the sender.
+
+        Only legal once sealed (the executor cancels only then).  Its positions are simply
+        not part of the result; nothing was read, so nothing needs draining.
+        """
+        c = self.chunks.get(chunk)
+        if c is None or c.ok is not None or not self.sealed:
+            return []
+        del self.chunks[chunk]
+        return self._advance()
+
     def demand(self, now: float) -> list:
         if self.state == State.TERMINAL or self.p.policy != Policy.BEST_EFFORT:
             return []

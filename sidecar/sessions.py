@@ -45,6 +45,7 @@ class ChunkIO:
     shared_ok: dict  # position -> None (waiting) | bool
     read_ok: dict | None = None  # position -> bool once our read completed
     reading: bool = False
+    job: object = None  # the read lane job (cancellable until it starts)
 
 
 @dataclasses.dataclass
@@ -62,7 +63,8 @@ class Record:
     trigger_at: float | None = None
     sealed_at: float | None = None
     terminal_at: float | None = None
-    chunk_times: list = dataclasses.field(default_factory=list)
+    chunk_times: list = dataclasses.field(default_factory=list)  # claim -> data landed (incl. lane queue)
+    transfer_times: list = dataclasses.field(default_factory=list)  # the L3 read itself
     restored: int = 0
 
 
@@ -80,7 +82,6 @@ class SessionManager:
         self.counters = collections.Counter()
         self.stop_ms: dict[str, list] = collections.defaultdict(list)
         self.drain_ms: list = []
-        self.chunk_ms: list = []
         self.outstanding_staging = 0  # blocks staged by sessions and not yet resolved
         s = self.sidecar
         s.handlers.update({"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
@@ -168,7 +169,12 @@ class SessionManager:
                "target": m.target, "existed": existed}
         if m.state == State.TERMINAL:
             out.update(status=m.status.value, prefix=m.prefix, reason=m.reason,
-                       lease=rec.result_lease.id if rec.result_lease is not None else 0)
+                       lease=rec.result_lease.id if rec.result_lease is not None else 0,
+                       restored=rec.restored, chunks=len(rec.chunk_times),
+                       chunk_ms_max=round(max(rec.chunk_times), 3) if rec.chunk_times else 0.0,
+                       transfer_ms_max=round(max(rec.transfer_times), 3) if rec.transfer_times else 0.0,
+                       stop_ms=round((rec.terminal_at - rec.trigger_at) * 1e3, 3) if rec.trigger_at else None,
+                       drain_ms=round((rec.terminal_at - rec.sealed_at) * 1e3, 3) if rec.sealed_at else None)
         return out
 
     # -- event plumbing ---------------------------------------------------------------------------
@@ -197,8 +203,17 @@ class SessionManager:
 
     def _run(self, rec: Record, actions: list) -> None:
         """Carry out actions; executing one may produce more (e.g. a limit shrinks a claim)."""
+        if rec.machine.sealed and rec.sealed_at is None:
+            rec.sealed_at = time.monotonic()
         queue = collections.deque(actions)
-        while queue:
+        withdrawn = False
+        while True:
+            if not queue:
+                if withdrawn or not rec.machine.sealed or rec.machine.state == State.TERMINAL:
+                    break
+                withdrawn = True
+                queue.extend(self._withdraw_queued(rec))
+                continue
             a = queue.popleft()
             if isinstance(a, Query):
                 self._query(rec, a)
@@ -210,8 +225,29 @@ class SessionManager:
                 self._drop(rec, a)
             elif isinstance(a, Finish):
                 self._finish(rec, a)
-        if rec.machine.sealed and rec.sealed_at is None:
-            rec.sealed_at = time.monotonic()
+
+    def _withdraw_queued(self, rec: Record) -> list:
+        """After a stop, chunks whose read has not started leave the sender queue.
+
+        Cancellation is atomic with the read lane picking the job up, so these blocks
+        were never touched by L3 and go straight back to FREE; only reads already in
+        flight are drained.  This keeps stop latency within one chunk's transfer.
+        """
+        out = []
+        for chunk, io in list(rec.chunks.items()):
+            if not io.reading or io.shared_ok or io.job is None or not io.job.cancel():
+                continue
+            for pos, b in list(io.own_blocks.items()):
+                self.index.drop_staging(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+                self.outstanding_staging -= 1
+            for off, kind in enumerate(io.kinds):
+                pos = io.start + off
+                if kind == "have" and pos in rec.pins:
+                    self.index.unpin(pack_ids([rec.pins.pop(pos)]))
+            del rec.chunks[chunk]
+            self.counters["chunks_withdrawn"] += 1
+            out += rec.machine.chunk_cancelled(chunk, time.monotonic())
+        return out
 
     def _query(self, rec: Record, a: Query) -> None:
         if self.tier is None:
@@ -280,8 +316,8 @@ class SessionManager:
         if own_positions:
             io.reading = True
             keys = b"".join(rec.chain[p * KEY:(p + 1) * KEY] for p in own_positions)
-            self.tier.load(rec.ns, keys, pack_ids(blocks),
-                           lambda ok, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, ok))
+            io.job = self.tier.load(rec.ns, keys, pack_ids(blocks),
+                                    lambda ok, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, ok))
         else:
             io.read_ok = {}
             self._maybe_chunk_done(rec, a.chunk)
@@ -294,6 +330,7 @@ class SessionManager:
             return
         io.reading = False
         io.read_ok = dict(zip(sorted(io.own_blocks), ok))
+        rec.transfer_times.append(self.tier.last_read_ms)
         self._maybe_chunk_done(rec, chunk)
 
     def _key_resolved(self, key: bytes, published: bool) -> None:
@@ -317,7 +354,7 @@ class SessionManager:
         for off, kind in enumerate(io.kinds):
             pos = io.start + off
             ok.append(True if kind == "have" else io.shared_ok[pos] if kind == "shared" else io.read_ok[pos])
-        self.chunk_ms.append((time.monotonic() - io.t0) * 1e3)
+        rec.chunk_times.append((time.monotonic() - io.t0) * 1e3)
         # deliver as an event so it is never re-entered from inside a claim
         self.sidecar.post(self._feed, rec.id, "chunk", chunk, ok)
 

@@ -183,6 +183,17 @@ def test_chunk_failure_cuts_the_prefix(where, expect_prefix, dropped):
     assert {(d.chunk, d.offset) for d in out if isinstance(d, Drop)} == dropped
 
 
+def test_withdrawn_chunk_after_seal_is_not_drained():
+    s = mk(total=12, chunk=4, deadline=1.0)
+    s.start(0)
+    s.query_done(12, 0)  # chunks 0 and 1 claimed
+    assert s.chunk_cancelled(1, 0.5) == []  # not sealed yet: refused
+    s.tick(1.0)
+    assert s.chunk_cancelled(1, 1.0) == []  # chunk 0 still in flight
+    out = s.chunk_done(0, [True] * 4, 1.1)
+    assert finish(out) == Finish(Status.TIMEOUT, 4, "deadline")
+
+
 def test_no_hit_and_fully_resident():
     s = mk(total=5, resident=2)
     s.start(0)
@@ -274,6 +285,12 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
             apply(s.tick(now))
         elif r < 0.78:
             apply(s.abort(now))
+        elif r < 0.79 and s.sealed:
+            pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
+            if pending:
+                cid = rng.choice(pending)
+                apply(s.chunk_cancelled(cid, now))
+                del in_flight[cid]
         elif r < 0.8:
             pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
             if pending:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from ..index import KEY, unpack_ids
 from .base import L3Backend
@@ -28,6 +29,7 @@ class L3Tier:
         self.reader = Lane("l3-read", post)
         self.writer = Lane("l3-write", post)
         self.counters = collections.Counter()
+        self.last_read_ms = 0.0  # duration of the read whose completion is being delivered
 
     def start(self) -> None:
         for lane in (self.meta, self.reader, self.writer):
@@ -70,14 +72,18 @@ class L3Tier:
         keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), len(blocks) // 4
         size = self.block_bytes
 
-        def finish(ok, error):
-            if error is not None or ok is None:
-                ok = [False] * n
+        def work():
+            t0 = time.monotonic()
+            return self.backend.read(keys, addrs, size), (time.monotonic() - t0) * 1e3
+
+        def finish(result, error):
+            ok, ms = result if error is None and result is not None else ([False] * n, 0.0)
             self.counters["read_blocks_ok"] += sum(ok)
             self.counters["read_blocks_failed"] += n - sum(ok)
+            self.last_read_ms = ms
             done(ok)
 
-        self.reader.submit(lambda: self.backend.read(keys, addrs, size), finish)
+        return self.reader.submit(work, finish)
 
     def store(self, ns: str, chain: bytes, blocks: bytes, done) -> None:
         """Write pool ``blocks`` under ``chain``'s keys; ``done(per_block_ok)``."""

@@ -6,6 +6,10 @@ sidecar doorbell), so the control thread never blocks on L3.  The sidecar runs t
 lanes: **metadata** (existence queries), **read** (restores into the pool) and
 **write** (PUTs), so a long store never delays a prefetch read.
 
+A job that has not started can be **cancelled** (atomically with the lane picking it
+up): its work never runs, so the pool blocks it would have filled were never touched
+and can be freed at once.  A started job always runs to completion.
+
 A lane sleeps in ``queue.get`` (woken by the next job or the stop sentinel); nothing
 polls.  ``stop`` lets the job in progress finish (a backend call is bounded), then
 exits; jobs still queued are completed with ``cancelled=True`` so their owners can
@@ -24,6 +28,23 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class Job:
+    __slots__ = ("work", "done", "state", "lock")
+
+    def __init__(self, work, done):
+        self.work, self.done = work, done
+        self.state = "queued"  # queued -> started | cancelled
+        self.lock = threading.Lock()
+
+    def cancel(self) -> bool:
+        """Withdraw the job if it has not started; True when it will never run."""
+        with self.lock:
+            if self.state == "queued":
+                self.state = "cancelled"
+                return True
+            return False
+
+
 class Lane:
     def __init__(self, name: str, post):
         self.name = name
@@ -33,22 +54,32 @@ class Lane:
         self.queued = 0
         self.busy = False
         self.jobs_done = 0
+        self.cancelled = 0
         self.busy_s = 0.0
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, work, done) -> None:
+    def submit(self, work, done) -> Job:
         """Run ``work()`` on this lane, then ``done(result, error)`` on the control thread."""
         self.queued += 1
-        self._q.put((work, done))
+        job = Job(work, done)
+        self._q.put(job)
+        return job
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is _STOP:
                 break
-            work, done = item
+            with item.lock:
+                run = item.state == "queued"
+                if run:
+                    item.state = "started"
+            if not run:  # cancelled while queued: its owner already cleaned up
+                self._post(self._forget_cancelled)
+                continue
+            work, done = item.work, item.done
             self.busy = True
             t0 = time.monotonic()
             try:
@@ -66,8 +97,12 @@ class Lane:
                 item = self._q.get_nowait()
             except queue.Empty:
                 break
-            if item is not _STOP:
-                self._post(self._finish, item[1], None, RuntimeError("lane stopped"))
+            if item is not _STOP and item.cancel():
+                self._post(self._finish, item.done, None, RuntimeError("lane stopped"))
+
+    def _forget_cancelled(self) -> None:  # control thread
+        self.queued -= 1
+        self.cancelled += 1
 
     def _finish(self, done, result, error) -> None:  # control thread
         self.queued -= 1
@@ -78,4 +113,5 @@ class Lane:
         self._thread.join(timeout_s)
 
     def stats(self) -> dict:
-        return {"queued": self.queued, "busy": self.busy, "jobs": self.jobs_done, "busy_s": round(self.busy_s, 3)}
+        return {"queued": self.queued, "busy": self.busy, "jobs": self.jobs_done, "cancelled": self.cancelled,
+                "busy_s": round(self.busy_s, 3)}
