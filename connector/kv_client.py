@@ -146,6 +146,10 @@ class KVConnector:
         """Session state; with ``step`` the group's first answer for that step."""
         return self.client.call("poll", req=req, attempt=attempt or None, step=step)
 
+    def flush(self) -> int:
+        """Evict every unpinned block from the CPU pool; returns how many."""
+        return self.client.call("flush")["evicted"]
+
     def stats(self, check: bool = False) -> dict:
         r = self.client.call("stats", check=check or None)
         if check:

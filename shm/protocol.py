@@ -65,6 +65,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "store": OpSchema({"chain": CHAIN}, {"ns": STR, "l3": BOOL, **_TP}),
     "commit": OpSchema({"staging": INT}, {"ok": BOOL}),
     "restore": OpSchema({"chain": CHAIN}, {"ns": STR}),
+    "flush": OpSchema({}),
     "prefetch": OpSchema(
         {"req": STR, "chain": CHAIN},
         {"ns": STR, "attempt": INT, "policy": STR, "budget_s": FLOAT, "chunk_max_blocks": INT,

@@ -38,8 +38,8 @@ class KVCore:
         self.publish_hooks: list = []  # fn(staging) after an engine store was published
         self.get_hooks: list = []  # fn(conn, msg) after a GET took its own reference
         sidecar.handlers.update({"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
-                                 "store": self.op_store, "commit": self.op_commit})
-        sidecar.kv_ops.update(("lookup", "get", "release", "store", "commit"))
+                                 "store": self.op_store, "commit": self.op_commit, "flush": self.op_flush})
+        sidecar.kv_ops.update(("lookup", "get", "release", "store", "commit", "flush"))
         sidecar.attach_validators.append(self._validate_attach)
         sidecar.client_gone_hooks.append(self._client_gone)
         sidecar.stats_providers.append(self.stats)
@@ -205,6 +205,10 @@ class KVCore:
             for hook in self.publish_hooks:
                 hook(st)
         return {"published": done, "pending": len(st.writers), "count": len(st.blocks) // 4 if done else 0}
+
+    def op_flush(self, conn, msg) -> dict:
+        """Evict every unpinned resident block (the engine's ``/flush_cache`` for this tier)."""
+        return {"evicted": self.index.evict(self.index.num_blocks)}
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -1,0 +1,223 @@
+"""The engine adapter: the scheduler hooks an SGLang-style engine calls, per TP rank.
+
+Every hook degrades to a **miss** when the sidecar is absent, dead or slow: the
+engine recomputes and never hangs (every call has a deadline; a broken connection
+is retried at most every ``reattach_every_s``).  All ranks of a TP group call the
+same hooks with the same scheduler ``step``; the sidecar returns the group's first
+answer, so ranks never disagree and never wait for each other.
+
+SGLang mapping (``scheduler.py`` / HiCache controller):
+
+=========================================  ==========================================
+SGLang                                      adapter
+=========================================  ==========================================
+``prefetch_from_storage`` (queue entry)     :meth:`on_queue_entry`
+``check_prefetch_progress`` (each step)     :meth:`check_progress`
+``terminate_prefetch`` (candidate)          :meth:`on_candidate`
+``release_aborted_request``                 :meth:`on_abort`
+``init_load_back`` (admission)              :meth:`admit` → :class:`RestoreSlot`
+load-back done / rollback                   :meth:`commit_restore` / :meth:`rollback_restore`
+``write_backup_storage`` (after prefill)    :meth:`store_after_prefill`
+=========================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from shm.errors import KvSidecarError
+from shm.layout import KVLayout
+
+from .kv_client import KVConnector, Lease
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RestoreSlot:
+    """Pages restored for one request, held (with the lease) until committed or rolled back."""
+
+    req: str
+    lease: Lease | None
+    pages: list
+    tokens: int  # restored tokens (multiple of tokens_per_block)
+
+
+@dataclasses.dataclass
+class AdapterConfig:
+    policy: str = "timeout"  # wait_complete | timeout | best_effort
+    chunk_max_blocks: int | None = None
+    budget_s: float | None = None  # timeout policy budget (None: the sidecar's formula)
+    store_to_l3: bool = True
+    call_timeout_s: float = 2.0
+    reattach_every_s: float = 1.0
+
+
+class EngineAdapter:
+    def __init__(self, instance: str, layout: KVLayout, *, rank: int, group: str, namespace: str = "",
+                 config: AdapterConfig | None = None):
+        self.cfg = config or AdapterConfig()
+        self.layout = layout
+        self.rank = rank
+        self.conn = KVConnector(instance, layout, rank=rank, group=group, namespace=namespace,
+                                timeout_s=self.cfg.call_timeout_s)
+        self.slots: dict[str, RestoreSlot] = {}
+        self.prefetching: set[str] = set()
+        self._chains: dict[str, bytes] = {}
+        self._down_since: float | None = None
+        self.misses_degraded = 0
+
+    # -- connection management --------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self.conn.client.attached
+
+    def start(self) -> bool:
+        try:
+            self.conn.attach()
+            self._down_since = None
+            return True
+        except KvSidecarError as exc:
+            log.warning("kvsidecar unavailable (%s): every hook is a miss until it is back", exc)
+            self._down_since = time.monotonic()
+            return False
+
+    def close(self) -> None:
+        for req in list(self.slots):
+            self.rollback_restore(req)
+        try:
+            self.conn.detach()
+        except KvSidecarError:
+            self.conn.close()
+
+    def _ready(self) -> bool:
+        if self.conn.client.attached:
+            return True
+        if self._down_since is not None and time.monotonic() - self._down_since < self.cfg.reattach_every_s:
+            return False
+        self.conn.close()
+        ok = self.start()
+        if ok:  # a new sidecar generation: nothing we held survived it
+            self.slots.clear()
+            self.prefetching.clear()
+        return ok
+
+    def _call(self, fn, default):
+        if not self._ready():
+            self.misses_degraded += 1
+            return default
+        try:
+            return fn()
+        except KvSidecarError as exc:
+            log.warning("kvsidecar call failed (%s); treating as a miss", exc)
+            if not self.conn.client.attached or "died" in str(exc) or "replaced" in str(exc):
+                self._down_since = time.monotonic()
+            self.misses_degraded += 1
+            return default
+
+    def chain(self, req: str, token_ids) -> bytes:
+        ch = self._chains.get(req)
+        if ch is None:
+            ch = self.conn.hasher.chain(token_ids)
+            self._chains[req] = ch
+        return ch
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def on_queue_entry(self, req: str, token_ids) -> None:
+        """Start prefetching the request's full chain as it enters the waiting queue."""
+        chain = self.chain(req, token_ids)
+        if not chain:
+            return
+        c = self.cfg
+        if self._call(lambda: self.conn.prefetch(chain, req, policy=c.policy, budget_s=c.budget_s,
+                                                 chunk_max_blocks=c.chunk_max_blocks,
+                                                 tokens=len(token_ids)), None) is not None:
+            self.prefetching.add(req)
+
+    def on_candidate(self, req: str) -> None:
+        """The request became a scheduling candidate (stops best_effort)."""
+        if req in self.prefetching:
+            self._call(lambda: self.conn.demand(req), None)
+
+    def check_progress(self, req: str, step: int) -> tuple[bool, int]:
+        """(ready to admit, tokens restorable).  Identical on every rank for the same step."""
+        if req not in self.prefetching:
+            return True, 0
+        view = self._call(lambda: self.conn.poll(req, step=step), None)
+        if view is None or view.get("state") in ("terminal", "unknown"):
+            return True, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
+        return False, 0
+
+    def admit(self, req: str, token_ids, step: int, alloc_pages) -> RestoreSlot:
+        """Lookup + held GET + load into freshly allocated engine pages.
+
+        ``alloc_pages(n)`` returns ``n`` engine page indices (or None if the engine
+        pool cannot take them now: the slot then restores nothing).  The slot stays
+        pending — lease held — until :meth:`commit_restore` or :meth:`rollback_restore`.
+        """
+        chain = self.chain(req, token_ids)
+        slot = RestoreSlot(req, None, [], 0)
+        lease = self._call(lambda: self.conn.get(chain, req=req, step=step), None) if chain else None
+        if lease is not None and lease.count:
+            pages = alloc_pages(lease.count)
+            if pages is None:
+                self._call(lambda: self.conn.release(lease), None)
+            else:
+                try:
+                    self.conn.load(lease, self.kv_caches, pages)
+                    slot = RestoreSlot(req, lease, list(pages), lease.count * self.layout.tokens_per_block)
+                except Exception:
+                    log.exception("load failed; recomputing")
+                    self._call(lambda: self.conn.release(lease), None)
+                    slot = RestoreSlot(req, None, list(pages), 0)
+        self.slots[req] = slot
+        return slot
+
+    def commit_restore(self, req: str) -> None:
+        """The restored pages are now the engine's (inserted in its radix cache): drop the lease."""
+        slot = self.slots.pop(req, None)
+        self.prefetching.discard(req)
+        if slot is not None and slot.lease is not None:
+            self._call(lambda: self.conn.release(slot.lease), None)
+
+    def rollback_restore(self, req: str) -> list:
+        """Admission failed after loading: release the lease; returns the pages to free."""
+        slot = self.slots.pop(req, None)
+        if slot is None:
+            return []
+        if slot.lease is not None:
+            self._call(lambda: self.conn.release(slot.lease), None)
+        return slot.pages
+
+    def on_abort(self, req: str) -> list:
+        """The request left at any stage: abort its prefetch, release its slot; returns pages to free."""
+        pages = self.rollback_restore(req)
+        if req in self.prefetching:
+            self._call(lambda: self.conn.abort(req), None)
+            self.prefetching.discard(req)
+        self._chains.pop(req, None)
+        return pages
+
+    def store_after_prefill(self, req: str, token_ids, pages: list, step: int) -> int:
+        """Offer the request's full blocks (engine pages in chain order) to the pool (and L3)."""
+        chain = self.chain(req, token_ids)
+        n = min(len(chain) // 16, len(pages))
+        if n == 0:
+            return 0
+        st = self._call(lambda: self.conn.store(chain[:n * 16], l3=self.cfg.store_to_l3, req=req, step=step), None)
+        if st is None or not st.count:
+            return 0
+        try:
+            self.conn.save(st, self.kv_caches, pages[st.start:st.start + st.count])
+            ok = True
+        except Exception:
+            log.exception("save failed")
+            ok = False
+        r = self._call(lambda: self.conn.commit(st, ok=ok), None)
+        self._chains.pop(req, None)
+        return st.count if r and ok else 0
+
+    # the engine sets its paged KV tensors here (per layer: (K, V) or (latent,))
+    kv_caches: list = []
