@@ -1,68 +1,61 @@
 #!/usr/bin/env python3
-"""The main job: start a sidecar on its embedded defaults beside a small simulated engine
-and print what happened, then the inspector's view.
+"""The main job: kvsidecar on its embedded defaults beside a simulated TP=2 engine.
 
-    python scripts/demo.py
+Runs the engine simulator's short workload (16K-token shared prefixes restored from a warm L3
+into a cold CPU pool) under each prefetch policy arm, prints a table per arm, and the
+inspector's read-only view of the sidecar at the end.  L3 is a real local Mooncake cluster
+when Mooncake is installed, else the embedded file store.
+
+    python scripts/demo.py [--l3 file|mooncake|auto]
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
-import multiprocessing as mp
 import os
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from connector.client import SidecarClient  # noqa: E402
-from sidecar.spawn import SidecarProcess  # noqa: E402
-
 import inspect_shm  # noqa: E402
+import simulate  # noqa: E402
 
 
-def rank_main(instance: str, rank: int, n: int, conn) -> None:
-    c = SidecarClient(instance, group="demo-engine", rank=rank, group_size=2)
-    c.attach()
-    lat = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        r = c.call("ping", payload=i.to_bytes(8, "little"))
-        lat.append(time.perf_counter() - t0)
-        assert r["payload"] == i.to_bytes(8, "little")
-    lat.sort()
-    conn.send({"rank": rank, "requests": n, "p50_us": lat[n // 2] * 1e6, "p99_us": lat[int(n * 0.99)] * 1e6})
-    conn.recv()
-    c.detach()
-
-
-def main() -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--l3", choices=["file", "mooncake", "auto"], default="auto")
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    instance = f"kvsdemo{os.getpid()}"
-    ctx = mp.get_context("spawn")
-    print(f"starting sidecar {instance!r} (embedded defaults)")
-    with SidecarProcess(instance) as sc:
-        print(f"  pid {sc.pid}, generation {sc.generation}")
-        pipes, procs = [], []
-        for rank in range(2):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(instance, rank, 5000, b))
-            p.start()
-            pipes.append(a)
-            procs.append(p)
-        print("\nsimulated engine: 2 TP ranks, each 5000 round trips through the rings")
-        for a in pipes:
-            r = a.recv()
-            print(f"  rank {r['rank']}: {r['requests']} requests, p50 {r['p50_us']:.1f} us, p99 {r['p99_us']:.1f} us")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    l3 = args.l3
+    if l3 == "auto":
+        l3 = "mooncake" if simulate.mooncake_available() else "file"
+    t0 = time.time()
+    print(f"kvsidecar demo: TP=2 engine simulator, L3 = {l3}"
+          f"{' (local mooncake_master on 127.0.0.1, a holder node plus the serving node)' if l3 == 'mooncake' else ' (embedded file store)'}")
+    print("warming L3 with the workload's prompts, then one cold-pool run per policy arm ...")
+    views = []
+
+    def inspect(instance: str) -> None:
         time.sleep(0.15)  # let the sidecar publish its stats blob
-        print("\ninspector view (read-only):")
-        print(inspect_shm.render(inspect_shm.snapshot(instance)))
-        for a in pipes:
-            a.send("done")
-        for p in procs:
-            p.join(10)
-    print("\nsidecar stopped; segments unlinked:", not any(n.startswith(instance) for n in os.listdir("/dev/shm")))
+        views.append(inspect_shm.render(inspect_shm.snapshot(instance)))
+
+    res = simulate.simulate(True, budget_s=0.25, l3=l3, before_stop=inspect)
+    simulate.print_table(res)
+    print("\nper-arm detail:")
+    for arm, a in res["arms"].items():
+        s = a["sessions"]
+        print(f"  {arm:<18} sessions {s.get('by_state', {})}, terminal "
+              f"{ {k[9:]: v for k, v in s.items() if k.startswith('terminal_')} }, "
+              f"books {'balanced' if a['invariants'] == '' else a['invariants']}")
+    if views:
+        print("\ninspector view of the last arm's sidecar (read-only):")
+        print(views[-1])
+    print(f"\ndone in {time.time() - t0:.0f} s")
     return 0
 
 

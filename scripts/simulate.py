@@ -171,7 +171,8 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | None = None) -> dict:
+def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | None = None,
+            before_stop=None) -> dict:
     from sidecar.spawn import SidecarProcess
 
     ctx = mp.get_context("spawn")
@@ -197,6 +198,8 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
 
         with SidecarClient(args["instance"]) as c:
             stats = c.call("stats", check=True)
+        if before_stop is not None:
+            before_stop(args["instance"])
     res0 = outs[0]["results"]
     corrupt = sum(r["corrupt"] for o in outs for r in o["results"])
     same = all(o["results"] and [(r["restored_tokens"]) for r in o["results"]] ==
@@ -230,8 +233,66 @@ def warm_l3(base_args: dict, sidecar_overrides: dict) -> None:
     run_arm("warmup", args, sidecar_overrides, arm_kw={"policy": "timeout", "budget_s": 0.0})
 
 
+def mooncake_available() -> bool:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("mooncake_master") is not None
+
+
+class _MooncakeL3:
+    """A local master plus a long-lived "holder" sidecar (another node) that keeps the L3 objects."""
+
+    def __init__(self, common: dict, base_args: dict):
+        from sidecar.l3.master import MooncakeMaster
+        from sidecar.spawn import SidecarProcess
+
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        self.master = MooncakeMaster()
+        mc = {"l3.backend": "mooncake", "l3.mooncake_master": self.master.address,
+              "l3.mooncake_local_buffer_bytes": 16 << 20}
+        holder = dict(common, **mc, **{"l3.mooncake_global_segment_bytes": 512 << 20})
+        self.holder = SidecarProcess(f"kvssimholder{os.getpid()}", overrides=holder)
+        args = dict(base_args, store_to_l3=True, gap_s=1e-6, compute_ms_per_ktok=0.0)
+        self._store_via(self.holder.instance, args)
+        self.reader = dict(common, **mc, **{"l3.mooncake_global_segment_bytes": 0})
+
+    @staticmethod
+    def _store_via(instance: str, args: dict) -> None:
+        # the warm-up arm runs its own sidecar; here the holder must do the writing itself
+        ctx = mp.get_context("spawn")
+        a = dict(args, arm="warmup", policy="timeout", budget_s=0.0, instance=instance)
+        pipes, procs = [], []
+        for r in range(a["tp"]):
+            x, y = ctx.Pipe()
+            p = ctx.Process(target=rank_main, args=(a, r, y))
+            p.start()
+            pipes.append(x)
+            procs.append(p)
+        for x in pipes:
+            assert x.poll(120) and x.recv() == "ready"
+        t0 = time.time() + 0.2
+        for x in pipes:
+            x.send(t0)
+        for x in pipes:
+            x.poll(900) and x.recv()
+        for p in procs:
+            p.join(30)
+        from connector.client import SidecarClient
+
+        with SidecarClient(instance) as c:  # wait for the write-behind to land in Mooncake
+            deadline = time.monotonic() + 120
+            while c.call("stats")["stats"]["l3"]["puts_in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def close(self) -> None:
+        self.holder.stop()
+        self.master.stop()
+
+
 def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None = None, arms=None,
-             mooncake: bool = False) -> dict:
+             l3: str = "file", before_stop=None) -> dict:
     lay = make_layout(2)
     base_args = dict(tp=2, seed=11, requests=6 if quick else 16, n_prefixes=2,
                      prefix_tokens=16384, suffix_tokens=128, gap_s=0.8 if quick else 0.9,
@@ -240,13 +301,20 @@ def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None =
     tmp = tempfile.mkdtemp(prefix="kvssim-")
     common = {f"layout.{k}": v for k, v in lay.as_dict().items()}
     common.update({"pool.num_blocks": 1400, "l3.file_dir": os.path.join(tmp, "l3")})
+    mc = None
     try:
-        warm_l3(base_args, common)
-        shaped = dict(common, **{"l3.bandwidth_mbps": mbps, "l3.latency_ms": 2.0})
-        out = {"quick": quick, "l3_mbps": mbps, "budget_s": budget_s, "compute_ms_per_ktok": 50.0,
+        if l3 == "mooncake":
+            mc = _MooncakeL3(common, base_args)
+            shaped = dict(mc.reader, **{"l3.bandwidth_mbps": mbps, "l3.latency_ms": 2.0})
+        else:
+            warm_l3(base_args, common)
+            shaped = dict(common, **{"l3.bandwidth_mbps": mbps, "l3.latency_ms": 2.0})
+        out = {"quick": quick, "l3": l3, "l3_mbps": mbps, "budget_s": budget_s, "compute_ms_per_ktok": 50.0,
                "prefix_tokens": 16384, "tp": 2, "arms": {}}
-        for arm in arms or list(ARMS):
-            out["arms"][arm] = run_arm(arm, base_args, shaped)
+        arm_list = arms or list(ARMS)
+        for arm in arm_list:
+            out["arms"][arm] = run_arm(arm, base_args, shaped,
+                                       before_stop=before_stop if arm == arm_list[-1] else None)
         out["oracle"] = oracle(base_args, mbps * 1e6 / 8, 0.002, lay.block_bytes)
         w = out["arms"].get("whole_task")
         if w:
@@ -254,11 +322,14 @@ def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None =
                 a["ttft_p50_vs_whole_task"] = a["ttft_p50_ms"] / w["ttft_p50_ms"]
         return out
     finally:
+        if mc is not None:
+            mc.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def print_table(res: dict) -> None:
-    print(f"\nengine simulator: TP={res['tp']}, 16K-token shared prefixes, L3 {res['l3_mbps']:.0f} Mbit/s, "
+    print(f"\nengine simulator: TP={res['tp']}, 16K-token shared prefixes, L3 {res.get('l3', 'file')} "
+          f"shaped to {res['l3_mbps']:.0f} Mbit/s, "
           f"prefill {res['compute_ms_per_ktok']:.0f} ms/Ktok, budget {res['budget_s'] or 'sidecar default'}")
     print(f"{'arm':<20} {'TTFT p50':>9} {'TTFT p99':>9} {'vs whole':>8} {'restored':>9} {'recomputed':>10} "
           f"{'corrupt':>7} {'ranks agree':>11}")
@@ -276,7 +347,11 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="three L3 speeds x two timeout budgets")
     p.add_argument("--l3-mbps", type=float)
     p.add_argument("--budget-s", type=float, default=0.25)
+    p.add_argument("--l3", choices=["file", "mooncake", "auto"], default="file",
+                   help="warm L3 on the embedded file store, or on a local Mooncake cluster (auto: if installed)")
     args = p.parse_args(argv)
+    if args.l3 == "auto":
+        args.l3 = "mooncake" if mooncake_available() else "file"
     logging.basicConfig(level=logging.WARNING)
     if args.sweep:
         results = []
@@ -287,7 +362,7 @@ def main(argv=None) -> int:
                 results.append(r)
         out = {"sweep": results}
     else:
-        out = simulate(args.quick, args.l3_mbps, args.budget_s)
+        out = simulate(args.quick, args.l3_mbps, args.budget_s, l3=args.l3)
         print_table(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True))

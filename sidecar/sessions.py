@@ -66,6 +66,7 @@ class Record:
     chunk_times: list = dataclasses.field(default_factory=list)  # claim -> data landed (incl. lane queue)
     transfer_times: list = dataclasses.field(default_factory=list)  # the L3 read itself
     restored: int = 0
+    demanded: bool = False  # a scheduling candidate: its reads go ahead of queued requests'
 
 
 class SessionManager:
@@ -140,6 +141,7 @@ class SessionManager:
         if rec is None:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         self._trigger(rec, "demand")
+        rec.demanded = True
         self._run(rec, rec.machine.demand(time.monotonic()))
         return self._view(rec)
 
@@ -317,7 +319,8 @@ class SessionManager:
             io.reading = True
             keys = b"".join(rec.chain[p * KEY:(p + 1) * KEY] for p in own_positions)
             io.job = self.tier.load(rec.ns, keys, pack_ids(blocks),
-                                    lambda ok, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, ok))
+                                    lambda ok, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, ok),
+                                    priority=0 if rec.demanded else 1)
         else:
             io.read_ok = {}
             self._maybe_chunk_done(rec, a.chunk)

@@ -67,7 +67,7 @@ class L3Tier:
 
         self.meta.submit(lambda: self.backend.exists(keys), finish)
 
-    def load(self, ns: str, chain: bytes, blocks: bytes, done) -> None:
+    def load(self, ns: str, chain: bytes, blocks: bytes, done, priority: int = 1):
         """Read ``chain``'s blocks into pool ``blocks``; ``done(per_block_ok)``."""
         keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), len(blocks) // 4
         size = self.block_bytes
@@ -83,7 +83,7 @@ class L3Tier:
             self.last_read_ms = ms
             done(ok)
 
-        return self.reader.submit(work, finish)
+        return self.reader.submit(work, finish, priority)
 
     def store(self, ns: str, chain: bytes, blocks: bytes, done) -> None:
         """Write pool ``blocks`` under ``chain``'s keys; ``done(per_block_ok)``."""

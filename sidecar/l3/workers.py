@@ -18,6 +18,7 @@ release what they reserved.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -29,10 +30,10 @@ _STOP = object()
 
 
 class Job:
-    __slots__ = ("work", "done", "state", "lock")
+    __slots__ = ("work", "done", "state", "lock", "priority")
 
-    def __init__(self, work, done):
-        self.work, self.done = work, done
+    def __init__(self, work, done, priority: int = 1):
+        self.work, self.done, self.priority = work, done, priority
         self.state = "queued"  # queued -> started | cancelled
         self.lock = threading.Lock()
 
@@ -49,7 +50,8 @@ class Lane:
     def __init__(self, name: str, post):
         self.name = name
         self._post = post
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.PriorityQueue = queue.PriorityQueue()  # (priority, seq, job): FIFO within a priority
+        self._seq = itertools.count()
         self._thread = threading.Thread(target=self._run, name=f"kvsidecar-{name}", daemon=True)
         self.queued = 0
         self.busy = False
@@ -60,16 +62,20 @@ class Lane:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, work, done) -> Job:
-        """Run ``work()`` on this lane, then ``done(result, error)`` on the control thread."""
+    def submit(self, work, done, priority: int = 1) -> Job:
+        """Run ``work()`` on this lane, then ``done(result, error)`` on the control thread.
+
+        Lower ``priority`` runs first (FIFO among equals): the request at the head of the
+        engine's queue must not wait behind chunks of requests queued after it.
+        """
         self.queued += 1
-        job = Job(work, done)
-        self._q.put(job)
+        job = Job(work, done, priority)
+        self._q.put((priority, next(self._seq), job))
         return job
 
     def _run(self) -> None:
         while True:
-            item = self._q.get()
+            item = self._q.get()[2]
             if item is _STOP:
                 break
             with item.lock:
@@ -94,7 +100,7 @@ class Lane:
         # cancel whatever is still queued
         while True:
             try:
-                item = self._q.get_nowait()
+                item = self._q.get_nowait()[2]
             except queue.Empty:
                 break
             if item is not _STOP and item.cancel():
@@ -109,7 +115,7 @@ class Lane:
         done(result, error)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._q.put(_STOP)
+        self._q.put((1 << 30, next(self._seq), _STOP))  # after everything already queued
         self._thread.join(timeout_s)
 
     def stats(self) -> dict:
