@@ -292,10 +292,11 @@ class _MooncakeL3:
 
 
 def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None = None, arms=None,
-             l3: str = "file", before_stop=None) -> dict:
+             l3: str = "file", before_stop=None, prefix_tokens: int = 16384, requests: int | None = None) -> dict:
     lay = make_layout(2)
-    base_args = dict(tp=2, seed=11, requests=6 if quick else 16, n_prefixes=2,
-                     prefix_tokens=16384, suffix_tokens=128, gap_s=0.8 if quick else 0.9,
+    base_args = dict(tp=2, seed=11, requests=requests or (6 if quick else 16), n_prefixes=2,
+                     prefix_tokens=prefix_tokens, suffix_tokens=128,
+                     gap_s=(0.8 if quick else 0.9) * prefix_tokens / 16384,
                      compute_ms_per_ktok=50.0, engine_pages=600, store_to_l3=False, budget_s=budget_s)
     mbps = l3_mbps if l3_mbps is not None else 200.0  # 25 MB/s: a 16K prefix (32 MiB) restores in ~1.3 s
     tmp = tempfile.mkdtemp(prefix="kvssim-")
@@ -315,6 +316,7 @@ def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None =
         for arm in arm_list:
             out["arms"][arm] = run_arm(arm, base_args, shaped,
                                        before_stop=before_stop if arm == arm_list[-1] else None)
+        out["prefix_tokens"] = prefix_tokens
         out["oracle"] = oracle(base_args, mbps * 1e6 / 8, 0.002, lay.block_bytes)
         w = out["arms"].get("whole_task")
         if w:
@@ -328,7 +330,7 @@ def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None =
 
 
 def print_table(res: dict) -> None:
-    print(f"\nengine simulator: TP={res['tp']}, 16K-token shared prefixes, L3 {res.get('l3', 'file')} "
+    print(f"\nengine simulator: TP={res['tp']}, {res['prefix_tokens']}-token shared prefixes, L3 {res.get('l3', 'file')} "
           f"shaped to {res['l3_mbps']:.0f} Mbit/s, "
           f"prefill {res['compute_ms_per_ktok']:.0f} ms/Ktok, budget {res['budget_s'] or 'sidecar default'}")
     print(f"{'arm':<20} {'TTFT p50':>9} {'TTFT p99':>9} {'vs whole':>8} {'restored':>9} {'recomputed':>10} "
