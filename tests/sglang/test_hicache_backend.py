@@ -1,0 +1,175 @@
+"""kvsidecar as SGLang's HiCache storage backend, with SGLang's own host pools (real code, CPU).
+
+Runs in the SGLang virtualenv (``scripts/sglang/setup_venv.sh``; ``.ci/run`` runs it with
+``-m sglang``); skipped where SGLang is not installed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+torch = pytest.importorskip("torch")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+
+from connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+PAGE, HEADS, DIM, LAYERS = 16, 2, 32, 4
+HOST_TOKENS = 256 * PAGE  # 256 pages
+
+
+def host_pool(layout: str):
+    dev = MHATokenToKVPool(HOST_TOKENS, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False, 0, LAYERS)
+    return MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info, 2, HOST_TOKENS, PAGE, layout, pin_memory=False,
+        device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer,
+        write_back_staging=dev.hicache_write_back_staging)
+
+
+def storage_config(instance, rank=0, tp=1, mla=False, **extra):
+    return HiCacheStorageConfig(tp_rank=rank, tp_size=tp, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False,
+                                model_name="tiny-llama", extra_config={"instance": instance, **extra})
+
+
+def sidecar_overrides(pool, tmp_path, **extra):
+    lay = layout_for_host_pool(pool, "tiny-llama", False)
+    d = {f"layout.{k}": v for k, v in lay.as_dict().items()}
+    d.update({"pool.num_blocks": 1024, "l3.file_dir": str(tmp_path / "l3")})
+    d.update(extra)
+    return d
+
+
+def page_indices(pages):
+    return torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)], dtype=torch.int64)
+
+
+def keys(n, salt="k"):
+    return [f"{salt}{i:060d}" for i in range(n)]
+
+
+def page_bytes(pool, pages):
+    ptrs, sizes = pool.get_page_buffer_meta(page_indices(pages))
+    import ctypes
+
+    return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_write_flush_prefetch_bit_exact(sidecar_factory, instance, tmp_path, layout):
+    pool = host_pool(layout)
+    pool.kv_buffer.copy_(torch.randn_like(pool.kv_buffer, dtype=torch.float32).to(pool.kv_buffer.dtype))
+    sidecar_factory(**sidecar_overrides(pool, tmp_path))
+    b = KvSidecarHiCacheStorage(storage_config(instance), {})
+    assert isinstance(b, HiCacheStorage)
+    b.register_mem_pool_host(pool)
+    n = 210  # write-through of >= 200 pages
+    ks = keys(n)
+    want = page_bytes(pool, range(n))
+    for start in range(0, n, 128):  # the controller sends at most 128 pages a call
+        chunk = ks[start:start + 128]
+        assert all(b.batch_set_v1(chunk, page_indices(range(start, start + len(chunk)))))
+    pool.kv_buffer.zero_()  # SGLang's host tier is reset (/flush_cache)
+    assert b.batch_exists(ks) == n
+    dst = list(range(30, 30 + n))  # read back into different host pages
+    got = []
+    for start in range(0, n, 128):
+        chunk = ks[start:start + 128]
+        got += b.batch_get_v1(chunk, page_indices(dst[start:start + len(chunk)]))
+    assert all(got)
+    assert page_bytes(pool, dst) == want
+    b.close()
+
+
+def test_miss_in_the_middle_and_partial_get(sidecar_factory, instance, tmp_path):
+    pool = host_pool("layer_first")
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+    sidecar_factory(**sidecar_overrides(pool, tmp_path, **{"l3.backend": "none"}))
+    b = KvSidecarHiCacheStorage(storage_config(instance), {})
+    b.register_mem_pool_host(pool)
+    ks = keys(20)
+    assert all(b.batch_set_v1(ks[:8], page_indices(range(8))))
+    assert all(b.batch_set_v1(ks[9:20], page_indices(range(9, 20))))  # key 8 never stored
+    assert b.batch_exists(ks) == 8  # the consecutive prefix only
+    assert b.exists(ks[0]) and not b.exists(ks[8])
+    res = b.batch_get_v1(ks[:12], page_indices(range(100, 112)))
+    assert res == [True] * 8 + [False] * 4  # reported page by page
+    assert page_bytes(pool, range(100, 108)) == page_bytes(pool, range(8))
+    stats = b.get_stats()
+    assert stats["get_pages_ok"] == 8 and stats["get_pages_missed"] == 4
+    b.close()
+
+
+def test_two_engines_share_blocks_and_ranks_do_not(sidecar_factory, instance, tmp_path):
+    pool_a, pool_b = host_pool("layer_first"), host_pool("layer_first")
+    pool_a.kv_buffer.copy_(torch.randn(pool_a.kv_buffer.shape).to(pool_a.kv_buffer.dtype))
+    sidecar_factory(**sidecar_overrides(pool_a, tmp_path, **{"l3.backend": "none"}))
+    a = KvSidecarHiCacheStorage(storage_config(instance), {})
+    a.register_mem_pool_host(pool_a)
+    b = KvSidecarHiCacheStorage(storage_config(instance), {})  # a second engine on the node
+    b.register_mem_pool_host(pool_b)
+    other_rank = KvSidecarHiCacheStorage(storage_config(instance, rank=1, tp=2), {})
+    other_rank.register_mem_pool_host(host_pool("layer_first"))
+    ks = keys(40)
+    assert all(a.batch_set_v1(ks, page_indices(range(40))))
+    assert b.batch_exists(ks) == 40
+    assert all(b.batch_get_v1(ks, page_indices(range(40))))
+    assert page_bytes(pool_b, range(40)) == page_bytes(pool_a, range(40))
+    assert other_rank.batch_exists(ks) == 0  # the TP rank is part of the key (MHA)
+    for x in (a, b, other_rank):
+        x.close()
+
+
+def test_sidecar_absent_or_killed_answers_miss_promptly(sidecar_factory, instance, tmp_path):
+    pool = host_pool("layer_first")
+    b = KvSidecarHiCacheStorage(storage_config("kvst-no-such-sidecar"), {})
+    b.register_mem_pool_host(pool)
+    t0 = time.monotonic()
+    assert b.batch_exists(keys(4)) == 0
+    assert b.batch_get_v1(keys(4), page_indices(range(4))) == [False] * 4
+    assert b.batch_set_v1(keys(4), page_indices(range(4))) == [False] * 4
+    assert time.monotonic() - t0 < 1.0
+    b.close()
+    sp = sidecar_factory(**sidecar_overrides(pool, tmp_path))
+    c = KvSidecarHiCacheStorage(storage_config(instance, reattach_every_s=0.0), {})
+    c.register_mem_pool_host(pool)
+    assert all(c.batch_set_v1(keys(4), page_indices(range(4))))
+    sp.kill()
+    t0 = time.monotonic()
+    assert c.batch_exists(keys(4)) == 0
+    assert c.batch_get_v1(keys(4), page_indices(range(4))) == [False] * 4
+    assert time.monotonic() - t0 < 1.0
+    c.close()
+
+
+def test_with_real_mooncake_behind_the_sidecar(sidecar_factory, instance, tmp_path, mooncake_master):
+    pool = host_pool("page_first")
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+    sidecar_factory(**sidecar_overrides(pool, tmp_path, **{"l3.backend": "mooncake",
+                                                           "l3.mooncake_master": mooncake_master.address,
+                                                           "l3.mooncake_global_segment_bytes": 64 << 20,
+                                                           "l3.mooncake_local_buffer_bytes": 8 << 20}))
+    b = KvSidecarHiCacheStorage(storage_config(instance), {})
+    b.register_mem_pool_host(pool)
+    ks = keys(64, salt="m")
+    want = page_bytes(pool, range(64))
+    assert all(b.batch_set_v1(ks, page_indices(range(64))))
+    deadline = time.monotonic() + 10
+    while b.conn.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    b.clear()  # the CPU pool forgets; Mooncake keeps them
+    assert b.conn.lookup(b._chain(ks)) == 0
+    pool.kv_buffer.zero_()
+    assert b.batch_exists(ks) == 64  # restored from Mooncake into the pool
+    assert all(b.batch_get_v1(ks, page_indices(range(64))))
+    assert page_bytes(pool, range(64)) == want
+    s = b.conn.stats(check=True)
+    assert s["invariants"] == "" and s["counters"]["l3_restored_blocks"] == 64
+    b.close()
