@@ -33,7 +33,7 @@ import time
 
 from native.copy import copy_regions
 from native.hashing import murmur3_128
-from shm.errors import KvSidecarError
+from shm.errors import ErrorCode, KvSidecarError, RemoteError
 from shm.layout import KVLayout
 
 from .kv_client import KVConnector
@@ -163,7 +163,13 @@ class KvSidecarHiCacheStorage(_Base):
         def run():
             hit = self.conn.lookup(chain)
             if hit < len(keys) and self.use_l3:
-                self.conn.restore(chain)  # L3 -> CPU pool for the rest, then count again
+                try:
+                    self.conn.restore(chain)  # L3 -> CPU pool for the rest, then count again
+                except RemoteError as exc:
+                    if exc.code != ErrorCode.UNKNOWN_OP:
+                        raise
+                    self.use_l3 = False  # this sidecar runs without an L3 tier
+                    return hit
                 hit = self.conn.lookup(chain)
             return hit
 

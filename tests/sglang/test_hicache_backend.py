@@ -26,9 +26,9 @@ HOST_TOKENS = 256 * PAGE  # 256 pages
 
 
 def host_pool(layout: str):
-    dev = MHATokenToKVPool(HOST_TOKENS, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False, 0, LAYERS)
+    dev = MHATokenToKVPool(HOST_TOKENS, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
     return MHATokenToKVPoolHost(
-        dev.get_device_pool_infos()[0].buffer_info, 2, HOST_TOKENS, PAGE, layout, pin_memory=False,
+        dev.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout, pin_memory=False,
         device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer,
         write_back_staging=dev.hicache_write_back_staging)
 
