@@ -139,6 +139,18 @@ def test_master_killed_mid_transfer_sidecar_keeps_serving(node_pair, instance, m
         assert r2["restored"] == 0
         st = c.stats(check=True)
         assert st["invariants"] == "" and st["pool"]["staging"] == 0
+        # the master comes back on the same port: the sidecar is still serving, nothing broke
+        from sidecar.l3.master import MooncakeMaster
+
+        again = MooncakeMaster(rpc_port=mooncake_master.rpc_port)
+        try:
+            assert c.client.call("ping")["ok"]
+            r3 = c.restore(c.hasher.chain(list(range(2000, 2000 + 8 * 4))))
+            assert r3["restored"] == 0  # a new master knows no objects: a clean miss
+            st = c.stats(check=True)
+            assert st["invariants"] == "" and st["pool"]["staging"] == 0
+        finally:
+            again.stop()
     a.kill()
 
 

@@ -216,3 +216,19 @@ def test_unknown_request_and_bad_policy(sidecar_factory, instance, tmp_path):
         p = c.prefetch(c.hasher.chain(TOKENS), "empty", policy="timeout")
         assert wait_terminal(c, "empty")["status"] == "no_hit"
         assert p["session"] > 0
+
+
+def test_config_policy_override_and_retained_ttl(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0, "sessions.policy_override": "wait_complete",
+                                             "sessions.retained_ttl_s": 0.3}))
+    with KVConnector(instance, LAY) as c:
+        v = c.prefetch(l3_filled, "r", policy="timeout", budget_s=0.001, chunk_max_blocks=4)
+        assert v["policy"] == "wait_complete"  # the sidecar's setting wins when set
+        p = wait_terminal(c, "r")
+        assert p["status"] == "complete" and p["prefix"] == N and p["chunks"] == 1  # one graph
+        assert books(c)["leases"]["live"] == 1  # the retained result
+        time.sleep(0.6)  # past retained_ttl_s: the reaper releases it (nobody took it)
+        s = books(c)
+        assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+        assert s["leases"].get("dropped_expired", 0) == 1
+        assert c.poll("r")["state"] == "unknown"  # and the record is forgotten
