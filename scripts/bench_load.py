@@ -196,11 +196,6 @@ def _bench_teardown(quick: bool) -> dict:
 
 
 def _hugetlbfs_dir(size: int):
-    try:
-        with open("/proc/meminfo") as f:
-            free = int(next(line for line in f if line.startswith("HugePages_Free")).split()[1])
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1] for line in f if line.split()[2] == "hugetlbfs"]
-    except (OSError, StopIteration):
-        return None
-    return mounts[0] if mounts and free * (2 << 20) >= size else None
+    from sidecar.pool_memory import hugetlbfs_mount
+
+    return hugetlbfs_mount(size)

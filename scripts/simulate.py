@@ -171,29 +171,35 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
+def run_ranks(args: dict) -> list:
+    """Start ``tp`` rank processes on one shared start time; returns each rank's report."""
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for r in range(args["tp"]):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=rank_main, args=(args, r, b))
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    for a in pipes:
+        assert a.poll(120) and a.recv() == "ready"
+    t0 = time.time() + 0.2
+    for a in pipes:
+        a.send(t0)
+    outs = [a.recv() if a.poll(900) else None for a in pipes]
+    for p in procs:
+        p.join(30)
+    return outs
+
+
 def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | None = None,
             before_stop=None) -> dict:
     from sidecar.spawn import SidecarProcess
 
-    ctx = mp.get_context("spawn")
     args = dict(base_args, arm=arm, **(ARMS[arm] if arm_kw is None else arm_kw))
     args["instance"] = f"kvssim{os.getpid()}"
-    with SidecarProcess(args["instance"], overrides=sidecar_overrides) as sp:
-        pipes, procs = [], []
-        for r in range(args["tp"]):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(args, r, b))
-            p.start()
-            pipes.append(a)
-            procs.append(p)
-        for a in pipes:
-            assert a.poll(120) and a.recv() == "ready"
-        t0 = time.time() + 0.2
-        for a in pipes:
-            a.send(t0)
-        outs = [a.recv() if a.poll(900) else None for a in pipes]
-        for p in procs:
-            p.join(30)
+    with SidecarProcess(args["instance"], overrides=sidecar_overrides):
+        outs = run_ranks(args)
         from connector.client import SidecarClient
 
         with SidecarClient(args["instance"]) as c:
@@ -261,24 +267,7 @@ class _MooncakeL3:
     @staticmethod
     def _store_via(instance: str, args: dict) -> None:
         # the warm-up arm runs its own sidecar; here the holder must do the writing itself
-        ctx = mp.get_context("spawn")
-        a = dict(args, arm="warmup", policy="timeout", budget_s=0.0, instance=instance)
-        pipes, procs = [], []
-        for r in range(a["tp"]):
-            x, y = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(a, r, y))
-            p.start()
-            pipes.append(x)
-            procs.append(p)
-        for x in pipes:
-            assert x.poll(120) and x.recv() == "ready"
-        t0 = time.time() + 0.2
-        for x in pipes:
-            x.send(t0)
-        for x in pipes:
-            x.poll(900) and x.recv()
-        for p in procs:
-            p.join(30)
+        run_ranks(dict(args, arm="warmup", policy="timeout", budget_s=0.0, instance=instance))
         from connector.client import SidecarClient
 
         with SidecarClient(instance) as c:  # wait for the write-behind to land in Mooncake

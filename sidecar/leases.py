@@ -62,13 +62,9 @@ class LeaseTable:
 
     def new(self, blocks: bytes, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
             holders=None) -> Lease:
+        """Pin ``blocks`` and hold them under a new lease."""
         self.index.pin(blocks)
-        lease = Lease(next(self._ids), blocks, now + ttl_s, kind, owner, group,
-                      set(holders) if holders is not None else None, now)
-        self.leases[lease.id] = lease
-        heapq.heappush(self._deadlines, (lease.deadline, lease.id))
-        self.counters[f"leases_{kind}"] += 1
-        return lease
+        return self.adopt(blocks, ttl_s=ttl_s, now=now, kind=kind, owner=owner, group=group, holders=holders)
 
     def adopt(self, blocks: bytes, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
               holders=None) -> Lease:

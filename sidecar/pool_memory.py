@@ -40,3 +40,15 @@ def create_pool_segment(cfg, size: int) -> Segment:
         seg.prefault(progress)
         log.info("pool %s: %d MiB pre-faulted in %.2f s", seg.name, size >> 20, time.monotonic() - t0)
     return seg
+
+
+def hugetlbfs_mount(need_bytes: int) -> str | None:
+    """A hugetlbfs mount with enough free 2 MiB pages for ``need_bytes``, or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = int(next(line for line in f if line.startswith("HugePages_Free")).split()[1])
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[2] == "hugetlbfs"]
+    except (OSError, StopIteration):
+        return None
+    return mounts[0] if mounts and free * HUGE_PAGE >= need_bytes else None

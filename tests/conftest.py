@@ -15,7 +15,8 @@ import pytest
 
 from sidecar.spawn import SidecarProcess
 
-SHM_PREFIX = "kvst-"
+# Per test process, so two test runs on one machine never mistake each other's segments for leaks.
+SHM_PREFIX = f"kvst{os.getpid()}-"
 
 
 def _our_segments() -> set[str]:

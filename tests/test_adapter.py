@@ -13,6 +13,8 @@ import torch
 from connector.adapter import AdapterConfig, EngineAdapter
 from shm.layout import KVLayout
 
+from .helpers import wait_l3_idle
+
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 TOKS = list(range(4 * 20))
 
@@ -64,6 +66,7 @@ def test_store_then_reuse_through_the_hooks(sidecar_factory, instance, tmp_path)
     assert ad.start()
     assert serve(ad, "a", TOKS, 1) == 0  # cold: computed, then stored
     assert serve(ad, "b", TOKS, 10) == len(TOKS)  # the same prompt again: all restored
+    wait_l3_idle(ad.conn)  # a write-behind PUT holds its blocks until it lands
     s = books(ad)
     assert s["leases"]["live"] == 0 and s["pool"]["staging"] == 0
     ad.close()
@@ -76,9 +79,7 @@ def test_abort_at_every_stage_leaves_nothing(sidecar_factory, instance, tmp_path
     ad.start()
     serve(ad, "warm", TOKS, 1)  # in the pool and on its way to L3
     ad.conn.flush()
-    deadline = time.monotonic() + 5
-    while ad.conn.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_l3_idle(ad.conn)
     ad.conn.flush()
     ad.on_queue_entry("r", TOKS)
     freed = []

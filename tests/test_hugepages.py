@@ -7,24 +7,12 @@ import torch
 
 from connector.kv_client import KVConnector
 from shm.layout import KVLayout
-
-
-def hugetlbfs_mount(need_pages: int):
-    try:
-        with open("/proc/meminfo") as f:
-            free = int(next(line for line in f if line.startswith("HugePages_Free")).split()[1])
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1] for line in f if line.split()[2] == "hugetlbfs"]
-    except (OSError, StopIteration):
-        return None
-    if free < need_pages or not mounts:
-        return None
-    return mounts[0]
+from sidecar.pool_memory import HUGE_PAGE, hugetlbfs_mount
 
 
 @pytest.fixture
 def huge_dir(tmp_path):
-    d = hugetlbfs_mount(4)
+    d = hugetlbfs_mount(4 * HUGE_PAGE)
     if d is None:
         pytest.skip("no hugetlbfs mount with free 2 MiB pages on this machine")
     return d

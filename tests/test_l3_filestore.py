@@ -15,6 +15,8 @@ from shm.layout import KVLayout
 from sidecar.l3.filestore import FileStore
 from sidecar.l3.shaped import ShapedBackend
 
+from . import helpers
+
 
 def buf(n):
     b = ctypes.create_string_buffer(n)
@@ -107,14 +109,7 @@ def overrides(tmp_path, **extra):
 
 def store_to_l3(instance, kv, tokens):
     with KVConnector(instance, LAY) as c:
-        chain = c.hasher.chain(tokens)
-        st = c.store(chain, l3=True)
-        c.save(st, kv, list(range(st.count)))
-        c.commit(st)
-        deadline = time.monotonic() + 10
-        while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return chain, c.stats()
+        return helpers.store_to_l3(c, kv, tokens)
 
 
 def restore_and_load(instance, tokens, n_pages):

@@ -12,6 +12,8 @@ from shm.errors import ErrorCode, RemoteError
 from shm.layout import KVLayout
 from sidecar.spawn import SidecarProcess
 
+from .helpers import store_to_l3, wait_l3_idle
+
 pytestmark = pytest.mark.mooncake
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=8, tp_size=1)
@@ -51,14 +53,7 @@ def kv_data(n=12):
 
 def store_l3(instance, kv, tokens):
     with KVConnector(instance, LAY) as c:
-        chain = c.hasher.chain(tokens)
-        st = c.store(chain, l3=True)
-        c.save(st, kv, list(range(st.count)))
-        c.commit(st)
-        deadline = time.monotonic() + 10
-        while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return c.stats()
+        return store_to_l3(c, kv, tokens)[1]
 
 
 def test_node_a_stores_node_b_restores_byte_exact(node_pair, instance):
@@ -176,9 +171,7 @@ def test_store_accounting_counts_only_written_blocks(node_pair, instance, moonca
         st = c.store(chain, l3=True)
         c.save(st, kv, list(range(st.count)))
         c.commit(st)
-        deadline = time.monotonic() + 20
-        while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_l3_idle(c)
         s = c.stats(check=True)
         assert s["counters"].get("l3_published_blocks", 0) == 0
         assert s["counters"]["l3_put_failed_blocks"] == 4

@@ -11,6 +11,7 @@ import torch
 from connector.adapter import AdapterConfig, EngineAdapter
 from shm.layout import KVLayout
 
+from .helpers import wait_l3_idle
 from .tiny_model import HD, HPR, LAYERS, TP, TinyModel, greedy
 
 T = 4
@@ -102,9 +103,7 @@ def test_restored_prefix_gives_the_same_greedy_tokens(sidecar_factory, instance,
     e = Engine(instance, "wait_complete")
     out, restored = e.run(model, "warm", ps[0])
     assert out == want[0] and restored == 0
-    deadline = time.monotonic() + 10
-    while e.ads[0].conn.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_l3_idle(e.ads[0].conn)
     e.close()
     sp.stop()
     # 2. full restore from L3 into a cold pool (a new sidecar), whole-task wait

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from shm.ring import RingConsumer, RingCorrupted, RingProducer, frame_bytes, ring_region_bytes
 from shm.segment import Segment
 
+from .conftest import SHM_PREFIX
+
 
 @pytest.fixture
 def ring_seg(instance):
@@ -25,7 +27,7 @@ def ring_seg(instance):
 def test_ring_matches_a_fifo_model(cap_log, ops):
     """Random pushes/pops over tiny rings: FIFO order, no loss, refusal only when really full."""
     cap = 1 << cap_log
-    seg = Segment.create(f"kvst-prop-{cap_log}", ring_region_bytes(cap))
+    seg = Segment.create(f"{SHM_PREFIX}prop-{cap_log}", ring_region_bytes(cap))
     try:
         prod, cons = RingProducer(seg, 0, cap), RingConsumer(seg, 0, cap)
         model: list[bytes] = []

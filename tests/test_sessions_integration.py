@@ -11,6 +11,8 @@ from connector.kv_client import KVConnector
 from shm.errors import ErrorCode, RemoteError
 from shm.layout import KVLayout
 
+from .helpers import store_to_l3
+
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48  # blocks in the test chain
 TOKENS = list(range(4 * N))
@@ -34,13 +36,7 @@ def l3_filled(sidecar_factory, instance, tmp_path, kv):
     """Write the test chain to the file store through one sidecar, then stop it."""
     sp = sidecar_factory(**overrides(tmp_path))
     with KVConnector(instance, LAY) as c:
-        chain = c.hasher.chain(TOKENS)
-        st = c.store(chain, l3=True)
-        c.save(st, kv, list(range(st.count)))
-        c.commit(st)
-        deadline = time.monotonic() + 10
-        while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        chain, _ = store_to_l3(c, kv, TOKENS)
     sp.stop()
     return chain
 

@@ -1,0 +1,24 @@
+"""Small test helpers shared by several test files (not fixtures)."""
+
+from __future__ import annotations
+
+import time
+
+
+def wait_l3_idle(conn, timeout_s: float = 20.0) -> dict:
+    """Wait (bounded) until the sidecar has no L3 PUT in flight; returns the last stats."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = conn.stats()
+        if not s["l3"]["puts_in_flight"] or time.monotonic() > deadline:
+            return s
+        time.sleep(0.01)
+
+
+def store_to_l3(conn, kv, tokens) -> tuple:
+    """Store ``tokens``' blocks from engine pages [0, n) with write-behind to L3; wait for the PUTs."""
+    chain = conn.hasher.chain(tokens)
+    st = conn.store(chain, l3=True)
+    conn.save(st, kv, list(range(st.count)))
+    conn.commit(st)
+    return chain, wait_l3_idle(conn)
