@@ -107,6 +107,15 @@ class SidecarClient:
             self.attach_info = self.call(
                 "attach", instance=self.instance, group=self.group, rank=self.rank,
                 group_size=self.group_size, pid=me, start=my_start, layout=self.layout)
+        except RemoteError:
+            # refused (e.g. a layout mismatch): hand the slot back before unmapping
+            try:
+                self.call("detach", timeout_s=1.0)
+                self._ctl.sidecar_doorbell.ring()
+            except (SidecarUnavailable, RequestTimeout, RemoteError, SidecarBusy):
+                pass
+            self.close()
+            raise
         except BaseException:
             self.close()
             raise

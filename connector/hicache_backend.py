@@ -79,7 +79,8 @@ class KvSidecarHiCacheStorage(_Base):
         self.tp_size = storage_config.tp_size
         self.is_mla = storage_config.is_mla_model
         self.writer = storage_config.is_storage_writer
-        self.model_name = storage_config.model_name
+        # a stable model id for the layout fingerprint (default: SGLang's model name / path)
+        self.model_name = extra.get("model") or storage_config.model_name
         self.shard = "mla" if self.is_mla else f"r{self.rank}/{self.tp_size}"
         self.mem_pool_host = None
         self.conn: KVConnector | None = None

@@ -13,5 +13,5 @@ if [ "${KVS_SKIP_SGLANG:-0}" != 1 ]; then
   bash scripts/sglang/setup_venv.sh
   export TMPDIR="$PWD/.cache/tmp" TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions" SGLANG_CACHE_DIR="$PWD/.cache/sglang"
   mkdir -p "$TMPDIR"
-  PATH="$PWD/.sglang-venv/bin:$PATH" .sglang-venv/bin/python -m pytest -q -p no:cacheprovider -m sglang tests/sglang
+  PATH="$PWD/.sglang-venv/bin:$PATH" .sglang-venv/bin/python -m pytest -q -p no:cacheprovider -m "sglang and not slow" tests/sglang
 fi

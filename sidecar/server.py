@@ -276,9 +276,9 @@ class Sidecar:
         handler = self.handlers.get(op)
         if handler is None:
             return self._error(conn, rid, ErrorCode.UNKNOWN_OP, f"op {op!r} is not served by this sidecar")
-        if not conn.attached and op != "attach":
+        if not conn.attached and op not in ("attach", "detach"):
             return self._error(conn, rid, ErrorCode.NOT_ATTACHED, f"{op} before attach")
-        if op in self.kv_ops and not conn.info.kv:
+        if op in self.kv_ops and conn.info is not None and not conn.info.kv:
             return self._error(conn, rid, ErrorCode.NOT_ATTACHED,
                                f"{op} needs an attach with a KV layout (this client attached as an observer)")
         self.counters[f"op_{op}"] += 1

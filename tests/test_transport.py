@@ -304,3 +304,16 @@ def test_idle_sidecar_does_not_poll(sidecar, instance, spawn_ctx):
         assert a.poll(10) and a.recv() == "detached"
     for p in ps:
         p.join(10)
+
+
+def test_refused_attach_hands_the_slot_back(sidecar_factory, instance):
+    """A refused attach (bad rank here; a layout mismatch alike) must not leak its slot."""
+    sidecar_factory(**{"transport.num_slots": 2})
+    for _ in range(5):
+        with pytest.raises(RemoteError):
+            SidecarClient(instance, rank=5, group_size=2).attach()
+    a, b = SidecarClient(instance), SidecarClient(instance)
+    a.attach()
+    b.attach()  # both slots are still available
+    a.detach()
+    b.detach()

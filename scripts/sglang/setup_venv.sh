@@ -29,5 +29,9 @@ pip install -q --no-deps sglang==0.5.23
 pip install -q -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
 pip install -q msgpack posix-ipc cython pytest pytest-timeout mooncake-transfer-engine-non-cuda
 pip install -q --no-build-isolation -e .
+# SGLang JIT-compiles its page-hash extension on first use (~12 s); build it now, into .cache/
+TORCH_EXTENSIONS_DIR="$root/.cache/torch_extensions" SGLANG_CACHE_DIR="$root/.cache/sglang" \
+  $V/bin/python -c "from sglang.srt.mem_cache.cpp_utils.native_hash import get_native_hash; get_native_hash()" \
+  >/dev/null 2>&1 || echo "note: SGLang's native page hash did not pre-build (it will build on first use)"
 $V/bin/python -c "import sglang, torch; from sglang.srt.mem_cache.hicache_storage import HiCacheStorage; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 echo "$want" > "$stamp"
