@@ -10,6 +10,8 @@ import tomllib
 import typing
 from pathlib import Path
 
+from shm.layout import KVLayout, LayoutError
+
 
 class ConfigError(ValueError):
     """A configuration file or flag has an unknown key or a value of the wrong type."""
@@ -23,20 +25,6 @@ class TransportConfig:
     max_frame_bytes: int = 256 * 1024
     max_blocks_per_request: int = 8192
     stats_interval_ms: float = 100.0
-
-
-@dataclasses.dataclass
-class LayoutConfig:
-    """The engine's KV layout (see ``shm.layout.KVLayout``); ranks must attach with the same."""
-
-    model: str = "model"
-    num_layers: int = 4
-    num_kv_heads: int = 4
-    head_dim: int = 64
-    dtype: str = "float16"
-    tokens_per_block: int = 64
-    tp_size: int = 1
-    mla: bool = False
 
 
 @dataclasses.dataclass
@@ -97,7 +85,8 @@ class SidecarConfig:
     instance: str = "kvsidecar"
     run_dir: str = "/tmp/kvsidecar"  # ready marker and logs
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
-    layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
+    # the engine's KV layout; ranks must attach with the same (shm.layout is the shared contract)
+    layout: KVLayout = dataclasses.field(default_factory=KVLayout)
     pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     l3: L3Config = dataclasses.field(default_factory=L3Config)
@@ -127,15 +116,9 @@ class SidecarConfig:
             raise ConfigError("l3.backend must be file, mooncake or none")
         if self.l3.fail not in ("", "first", "tail", "random", "keys"):
             raise ConfigError("l3.fail must be one of '', first, tail, random, keys")
-        try:
-            self.kv_layout()
-        except ValueError as exc:
-            raise ConfigError(f"layout: {exc}") from None
 
-    def kv_layout(self):
-        from shm.layout import KVLayout
-
-        return KVLayout(**dataclasses.asdict(self.layout))
+    def kv_layout(self) -> KVLayout:
+        return self.layout
 
     @property
     def control_name(self) -> str:
@@ -156,7 +139,10 @@ def _build(cls, data: dict, where: str):
             raise ConfigError(f"{where}: unknown key {key!r}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, f"{where}.{key}")
+            try:
+                kwargs[key] = _build(hint, value, f"{where}.{key}")
+            except LayoutError as exc:
+                raise ConfigError(f"{where}.{key}: {exc}") from None
             continue
         kwargs[key] = _coerce(hint, value, f"{where}.{key}")
     return cls(**kwargs)
