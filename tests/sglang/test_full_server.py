@@ -98,7 +98,7 @@ def server(instance, tmp_path):
         log.close()
         sc.stop()
         for name in os.listdir("/dev/shm"):  # the killed sidecar's segments, and SGLang's own leftovers
-            if name.startswith(instance) or (name.startswith(("sglang", "psm_"))
+            if name.startswith(instance) or (name.startswith(("sglang", "sgl_", "psm_"))
                                              and os.stat(f"/dev/shm/{name}").st_uid == os.getuid()):
                 try:
                     os.unlink(f"/dev/shm/{name}")
