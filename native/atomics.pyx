@@ -103,21 +103,6 @@ def fence():
     """Full sequentially consistent fence."""
     kvs_fence()
 
-def spin_until_u64_ne(uintptr_t addr, uint64_t value, unsigned int spins):
-    """Spin (with a CPU relax hint, GIL released) while ``*addr == value``.
-
-    Returns the first differing value, or ``value`` after ``spins`` tries.
-    """
-    cdef unsigned int i
-    cdef uint64_t cur = value
-    with nogil:
-        for i in range(spins):
-            cur = kvs_load_acq64(addr)
-            if cur != value:
-                break
-            kvs_cpu_relax()
-    return cur
-
 def futex_wait(uintptr_t addr, uint32_t expected, double timeout_s):
     """Sleep while ``*addr == expected`` for at most ``timeout_s`` seconds.
 
