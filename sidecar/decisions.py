@@ -10,11 +10,13 @@ after its TTL (a rank that never asks must not pin memory forever).
 from __future__ import annotations
 
 import dataclasses
-import heapq
+
+from .deadlines import DeadlineHeap
 
 
 @dataclasses.dataclass
 class Decision:
+    key: tuple
     result: dict
     readers: set
     group_size: int
@@ -25,7 +27,7 @@ class DecisionBook:
     def __init__(self, ttl_s: float = 30.0):
         self.ttl_s = ttl_s
         self.records: dict[tuple, Decision] = {}
-        self._expiry: list = []
+        self._expiry = DeadlineHeap(self.records, lambda rec: rec.expires)
         self.hits = 0
         self.made = 0
 
@@ -44,20 +46,14 @@ class DecisionBook:
         self.made += 1
         if group_size <= 1:
             return
-        self.records[key] = Decision(result, {rank}, group_size, now + self.ttl_s)
-        heapq.heappush(self._expiry, (now + self.ttl_s, key))
+        self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s)
+        self._expiry.push(now + self.ttl_s, key)
 
     def expire(self, now: float) -> int:
-        n = 0
-        while self._expiry and self._expiry[0][0] <= now:
-            _, key = heapq.heappop(self._expiry)
-            rec = self.records.get(key)
-            if rec is not None and rec.expires <= now:
-                del self.records[key]
-                n += 1
-        return n
+        due = self._expiry.pop_due(now)
+        for rec in due:
+            del self.records[rec.key]
+        return len(due)
 
     def next_expiry(self) -> float | None:
-        while self._expiry and self._expiry[0][1] not in self.records:
-            heapq.heappop(self._expiry)
-        return self._expiry[0][0] if self._expiry else None
+        return self._expiry.next_due()

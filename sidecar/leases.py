@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import itertools
 
 from shm.errors import ErrorCode
 
+from .deadlines import DeadlineHeap
 from .index import PrefixIndex, unpack_ids
 
 LEASE_ID_BASE = 1 << 40  # ids are namespaced by kind: leases here, staging ids elsewhere
@@ -55,7 +55,7 @@ class LeaseTable:
         self.index = index
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(LEASE_ID_BASE)
-        self._deadlines: list = []  # heap (deadline, id)
+        self._deadlines = DeadlineHeap(self.leases, lambda lease: lease.deadline)
         self._recent = collections.OrderedDict()  # recently dropped id -> None
         self._remember = remember
         self.counters = collections.Counter()
@@ -72,7 +72,7 @@ class LeaseTable:
         lease = Lease(next(self._ids), blocks, now + ttl_s, kind, owner, group,
                       set(holders) if holders is not None else None, now)
         self.leases[lease.id] = lease
-        heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+        self._deadlines.push(lease.deadline, lease.id)
         self.counters[f"leases_{kind}"] += 1
         return lease
 
@@ -124,19 +124,13 @@ class LeaseTable:
 
     def reap(self, now: float) -> int:
         """Drop leases past their deadline; returns how many."""
-        n = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, lid = heapq.heappop(self._deadlines)
-            lease = self.leases.get(lid)
-            if lease is not None and lease.deadline <= now:
-                self.drop(lease, "expired")
-                n += 1
-        return n
+        due = self._deadlines.pop_due(now)
+        for lease in due:
+            self.drop(lease, "expired")
+        return len(due)
 
     def next_deadline(self) -> float | None:
-        while self._deadlines and self._deadlines[0][1] not in self.leases:
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        return self._deadlines.next_due()
 
     def pins_per_block(self) -> collections.Counter:
         c = collections.Counter()

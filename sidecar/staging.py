@@ -11,9 +11,9 @@ FREE unpublished.  Exactly one of publish / abort happens.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 
+from .deadlines import DeadlineHeap
 from .index import KEY, PrefixIndex, unpack_ids
 from .leases import Lease, LeaseTable
 
@@ -42,7 +42,7 @@ class StagingTable:
         self.leases = leases
         self.records: dict[int, Staging] = {}
         self._ids = itertools.count(STAGING_ID_BASE)
-        self._deadlines: list = []
+        self._deadlines = DeadlineHeap(self.records, lambda st: st.deadline)
         self.published_blocks = 0
         self.aborted_blocks = 0
 
@@ -57,8 +57,7 @@ class StagingTable:
         for i, b in enumerate(unpack_ids(blocks)):
             self.index.stage(chain[i * KEY:(i + 1) * KEY], b)
         self.records[st.id] = st
-        if ttl_s is not None:
-            heapq.heappush(self._deadlines, (st.deadline, st.id))
+        self._deadlines.push(st.deadline, st.id)  # no deadline (inf) for L3 reads
         return st
 
     def complete_load(self, st: Staging, ok: list) -> int:
@@ -123,19 +122,13 @@ class StagingTable:
         return n
 
     def reap(self, now: float) -> int:
-        n = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, sid = heapq.heappop(self._deadlines)
-            st = self.records.get(sid)
-            if st is not None:
-                self.abort(st, "expired")
-                n += 1
-        return n
+        due = self._deadlines.pop_due(now)
+        for st in due:
+            self.abort(st, "expired")
+        return len(due)
 
     def next_deadline(self) -> float | None:
-        while self._deadlines and self._deadlines[0][1] not in self.records:
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        return self._deadlines.next_due()
 
     def staged_blocks(self) -> int:
         return sum(len(st.blocks) // 4 for st in self.records.values())

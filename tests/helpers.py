@@ -22,3 +22,14 @@ def store_to_l3(conn, kv, tokens) -> tuple:
     conn.save(st, kv, list(range(st.count)))
     conn.commit(st)
     return chain, wait_l3_idle(conn)
+
+
+def wait_terminal(conn, req: str, timeout_s: float = 20.0) -> dict:
+    """Poll (bounded) until the request's prefetch session is terminal; returns its view."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = conn.poll(req)
+        if p["state"] == "terminal":
+            return p
+        time.sleep(0.005)
+    raise AssertionError(f"session {req} not terminal: {p}")

@@ -12,7 +12,7 @@ from shm.errors import ErrorCode, RemoteError
 from shm.layout import KVLayout
 from sidecar.spawn import SidecarProcess
 
-from .helpers import store_to_l3, wait_l3_idle
+from .helpers import store_to_l3, wait_l3_idle, wait_terminal
 
 pytestmark = pytest.mark.mooncake
 
@@ -181,16 +181,6 @@ def test_store_accounting_counts_only_written_blocks(node_pair, instance, moonca
         assert ei.value.code == ErrorCode.UNKNOWN_ID
 
 
-def _wait_terminal(c, req, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        p = c.poll(req)
-        if p["state"] == "terminal":
-            return p
-        time.sleep(0.005)
-    raise AssertionError(p)
-
-
 def test_sessions_against_real_mooncake(node_pair, instance):
     """Deadline-cut, full and best-effort sessions reading from a real Mooncake cluster."""
     a = node_pair("a")
@@ -201,10 +191,10 @@ def test_sessions_against_real_mooncake(node_pair, instance):
     with KVConnector(b.instance, LAY) as c:
         chain = c.hasher.chain(tokens)
         c.prefetch(chain, "short", policy="timeout", budget_s=0.02, chunk_max_blocks=4)
-        p = _wait_terminal(c, "short")
+        p = wait_terminal(c, "short")
         assert p["status"] == "timeout" and 0 < p["prefix"] < 40
         c.prefetch(chain, "long", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
-        p = _wait_terminal(c, "long")
+        p = wait_terminal(c, "long")
         assert p["status"] == "complete" and p["prefix"] == 40
         lease = c.get(chain, req="long", step=1)
         out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]

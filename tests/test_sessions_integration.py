@@ -11,7 +11,7 @@ from connector.kv_client import KVConnector
 from shm.errors import ErrorCode, RemoteError
 from shm.layout import KVLayout
 
-from .helpers import store_to_l3
+from .helpers import store_to_l3, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48  # blocks in the test chain
@@ -39,16 +39,6 @@ def l3_filled(sidecar_factory, instance, tmp_path, kv):
         chain, _ = store_to_l3(c, kv, TOKENS)
     sp.stop()
     return chain
-
-
-def wait_terminal(c, req, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        p = c.poll(req)
-        if p["state"] == "terminal":
-            return p
-        time.sleep(0.005)
-    raise AssertionError(f"session {req} not terminal: {p}")
 
 
 def get_and_check(c, chain, req, kv):
