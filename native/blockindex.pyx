@@ -5,8 +5,11 @@ One object holds, for ``n`` pool blocks:
 
 * ``state``     FREE / STAGING / RESIDENT, plus a free-block stack;
 * ``refcount``  pins by leases (non-zero only while RESIDENT);
-* the **prefix index**: an open-addressing hash table (linear probing, tombstones)
-  from 128-bit chained keys to RESIDENT blocks, each block's ``parent`` (previous
+* the **prefix index**: an open-addressing hash table (linear probing, at least twice
+  as many slots as blocks, **no tombstones**: erase shifts later entries of the probe
+  run back, so the table never fills with deleted slots under unbounded churn and
+  every probe stays short and is bounded by the table size) from 128-bit chained
+  keys to RESIDENT blocks, each block's ``parent`` (previous
   block of its chain, -1 for a head) and its count of resident ``children``;
 * an intrusive doubly-linked **LRU list of evictable blocks** = RESIDENT, unpinned,
   no resident children.  Eviction takes from the old end and, when a parent loses its
@@ -24,7 +27,6 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 DEF EMPTY = -1
-DEF TOMB = -2
 
 cdef enum:
     S_FREE = 0
@@ -146,38 +148,67 @@ cdef class BlockIndex:
 
     # -- hash table -----------------------------------------------------------------------------
     cdef inline int32_t _find(self, uint64_t lo, uint64_t hi) nogil:
-        cdef uint64_t i = lo & self.mask
+        # Load factor <= 1/2 and no tombstones: a miss ends at the first EMPTY slot.  The
+        # loop is still bounded by the table size so a broken table can never spin.
+        cdef uint64_t i = lo & self.mask, probes = 0
         cdef int32_t b
-        while True:
+        while probes <= self.mask:
             b = self.table[i]
             if b == EMPTY:
                 return -1
-            if b >= 0 and self.keys[2 * b] == lo and self.keys[2 * b + 1] == hi:
+            if self.keys[2 * b] == lo and self.keys[2 * b + 1] == hi:
                 return b
             i = (i + 1) & self.mask
+            probes += 1
+        return -1
 
     cdef void _insert(self, uint64_t lo, uint64_t hi, int32_t b) nogil:
+        # Never more resident blocks than half the slots, so an EMPTY slot always exists.
         cdef uint64_t i = lo & self.mask
-        while self.table[i] >= 0:
+        while self.table[i] != EMPTY:
             i = (i + 1) & self.mask
         self.table[i] = b
         self.keys[2 * b] = lo
         self.keys[2 * b + 1] = hi
 
     cdef void _erase(self, int32_t b) nogil:
-        cdef uint64_t lo = self.keys[2 * b]
-        cdef uint64_t i = lo & self.mask
+        """Backward-shift deletion (Knuth 6.4, algorithm R): no tombstones are left.
+
+        After emptying slot ``i``, each later entry of the same probe run whose home
+        slot does not lie cyclically in ``(i, j]`` moves back into the hole, which
+        keeps every remaining key reachable from its home slot without a gap.
+        """
+        cdef uint64_t mask = self.mask
+        cdef uint64_t i = self.keys[2 * b] & mask, j, home, probes = 0
         while self.table[i] != b:
-            i = (i + 1) & self.mask
-        # a tombstone keeps probe chains intact; collapse it when the next slot is empty
-        if self.table[(i + 1) & self.mask] == EMPTY:
-            self.table[i] = EMPTY
-            i = (i - 1) & self.mask
-            while self.table[i] == TOMB:
-                self.table[i] = EMPTY
-                i = (i - 1) & self.mask
-        else:
-            self.table[i] = TOMB
+            i = (i + 1) & mask
+            probes += 1
+            if probes > mask:
+                return  # not in the table (cannot happen for a resident block)
+        j = i
+        while True:
+            j = (j + 1) & mask
+            if self.table[j] == EMPTY:
+                break
+            home = self.keys[2 * self.table[j]] & mask
+            # entry j stays iff its home lies cyclically in (i, j]
+            if ((j - home) & mask) < ((j - i) & mask):
+                continue
+            self.table[i] = self.table[j]
+            i = j
+        self.table[i] = EMPTY
+
+    def max_probe(self):
+        """Longest probe run of any resident key (diagnostics and churn tests)."""
+        cdef uint64_t s, d, worst = 0
+        cdef int32_t b
+        for s in range(self.mask + 1):
+            b = self.table[s]
+            if b >= 0:
+                d = (s - (self.keys[2 * b] & self.mask)) & self.mask
+                if d > worst:
+                    worst = d
+        return worst
 
     # -- queries --------------------------------------------------------------------------------
     def find(self, const uint8_t[::1] key):
@@ -264,6 +295,8 @@ cdef class BlockIndex:
 
     def publish(self, const uint8_t[::1] key, int32_t b, int32_t parent):
         """S_STAGING → S_RESIDENT under ``key``; ``parent`` must be resident (or -1)."""
+        if key.shape[0] != 16:
+            raise ValueError("keys are 16 bytes")
         self._check_id(b)
         if self.state_[b] != S_STAGING:
             raise IndexError_(f"block {b} is not staging")

@@ -106,3 +106,54 @@ def chain_hashes(const uint8_t[::1] seed, const uint32_t[::1] tokens, Py_ssize_t
     finally:
         free(buf)
     return bytes(out)
+
+
+cdef inline uint64_t _k64(const uint8_t *p) nogil:
+    cdef uint64_t v
+    memcpy(&v, p, 8)
+    return v
+
+
+def first_duplicate(const uint8_t[::1] chain):
+    """Index of the first 16-byte key of ``chain`` that repeats an earlier one, or -1.
+
+    O(n) with a scratch open-addressing table of 2n..4n slots (keys are uniformly random
+    hashes, so the low 64 bits index it directly).  A genuine chained-hash chain never
+    repeats a key; a repeat is malformed input and must be refused before any state changes.
+    """
+    cdef Py_ssize_t n = chain.shape[0] // 16, i
+    if n < 2:
+        return -1
+    cdef uint64_t cap = 16, mask, slot, lo, hi
+    while cap < <uint64_t>n * 2:
+        cap <<= 1
+    mask = cap - 1
+    cdef long *tab = <long*>malloc(cap * sizeof(long))
+    if tab == NULL:
+        raise MemoryError()
+    cdef long e
+    cdef Py_ssize_t found = -1
+    try:
+        for slot in range(cap):
+            tab[slot] = -1
+        for i in range(n):
+            lo = _k64(&chain[16 * i])
+            hi = _k64(&chain[16 * i + 8])
+            slot = lo & mask
+            while True:
+                e = tab[slot]
+                if e < 0:
+                    tab[slot] = <long>i
+                    break
+                if _k64(&chain[16 * e]) == lo and _k64(&chain[16 * e + 8]) == hi:
+                    found = i
+                    break
+                slot = (slot + 1) & mask
+            if found >= 0:
+                break
+    finally:
+        free(tab)
+    return found
+
+
+

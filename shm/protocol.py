@@ -19,6 +19,8 @@ from typing import Any
 
 import msgpack
 
+from native.hashing import first_duplicate
+
 from .errors import ErrorCode, ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -38,6 +40,8 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+_SCALARS = (int, float, bool, str)
 
 # Field kinds.
 INT, SINT, FLOAT, BOOL, STR, BYTES, CHAIN, MAP, INTLIST = range(9)
@@ -145,9 +149,20 @@ def _check(name: str, kind: int, value: Any, limits: Limits) -> None:
             raise ProtocolError(ErrorCode.MALFORMED, f"chain length {len(value)} is not a multiple of {KEY_BYTES}")
         if len(value) > limits.max_blocks * KEY_BYTES:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"chain of {len(value) // KEY_BYTES} blocks over {limits.max_blocks}")
+        dup = first_duplicate(value)
+        if dup >= 0:  # a chained hash never repeats; a repeat would alias two blocks of one request
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"chain repeats a key at block {dup}")
     elif kind == MAP:
+        # a flat map of str keys to scalars (the layout description); nothing nested
         if t is not dict:
             raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a map")
+        if len(value) > limits.max_map:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r} has over {limits.max_map} entries")
+        for k, v in value.items():
+            if type(k) is not str or len(k) > limits.max_str:
+                raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r}: keys must be strings")
+            if type(v) not in _SCALARS or (type(v) is str and len(v) > limits.max_str):
+                raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r}: value of {k!r} must be a scalar")
     elif kind == INTLIST:
         if t is not list or any(type(x) is not int or x < 0 for x in value):
             raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a list of non-negative ints")

@@ -152,33 +152,48 @@ class RingConsumer(_RingBase):
     def pop_batch(self, limit: int = 64) -> list:
         """Copy out up to ``limit`` frames (as bytes) and release their space.
 
-        Raises :class:`RingCorrupted` on an impossible frame header; the ring is
-        then unusable until ``reset``.  Returns whether the producer was waiting
-        via :attr:`producer_was_waiting` (the caller rings its doorbell).
+        Raises :class:`RingCorrupted` on anything a correct producer cannot write:
+        indices out of order or more than ``capacity`` apart, a length running past
+        the data area or past ``tail``, a wrap marker where a frame would have fitted
+        (at offset 0, or with ``tail`` inside the skipped bytes).  Nothing of a batch
+        that turns out corrupt is returned (no stale or torn frame is ever executed);
+        the ring is then unusable until ``reset``.  Every loop iteration consumes
+        bytes and counts against ``limit`` (a wrap skip included), so a hostile
+        producer cannot keep the caller here.
         """
         tail = _a.load_acquire_u64(self.tail_addr)  # rule 1
         head = self._head
         if head == tail:
             return []
+        cap = self.capacity
+        if tail < head or tail - head > cap or (head | tail) & 7:
+            raise RingCorrupted(f"ring indices head={head} tail={tail} are inconsistent")
         out = []
         view = self.view
         base = self.data_off
         mask = self.mask
-        if tail < head or tail - head > self.capacity:
-            raise RingCorrupted(f"ring indices head={head} tail={tail} are inconsistent")
-        while head != tail and len(out) < limit:
+        steps = 0
+        while head != tail and steps < limit:
+            steps += 1
             pos = head & mask
+            room = cap - pos
             (n,) = _U32.unpack_from(view, base + pos)
             if n == WRAP_MARKER:
-                head += self.capacity - pos
+                # legal only where a frame header fits but the next frame did not
+                if pos == 0 or tail - head <= room:
+                    raise RingCorrupted(f"wrap marker at ring offset {pos} with {tail - head} bytes in flight")
+                head += room
                 continue
-            if pos + 4 + n > self.capacity:
+            need = (4 + n + 7) & ~7
+            if need > room:
                 raise RingCorrupted(f"frame length {n} at ring offset {pos} is out of bounds")
+            if need > tail - head:
+                raise RingCorrupted(f"frame length {n} at ring offset {pos} runs past tail")
             if n > self.max_frame:
                 out.append(Oversize(n))  # skipped, not copied: the caller answers TOO_LARGE
             else:
                 out.append(bytes(view[base + pos + 4 : base + pos + 4 + n]))
-            head += (4 + n + 7) & ~7
+            head += need
         self._head = head
         _a.store_release_u64(self.head_addr, head)  # rule 2
         return out
