@@ -78,6 +78,12 @@ class SessionsConfig:
     timeout_per_ki_token_s: float = 0.1
     timeout_max_s: float = 30.0
     retained_ttl_s: float = 30.0  # how long a terminal result stays pinned for its GET
+    # A stopped session waits for its reads in flight at most drain_floor_s + drain_slack x
+    # their expected time (the tier's running estimate), never over drain_timeout_s; a read
+    # stuck longer (a dead L3 master) is left behind and its blocks stay staging until it ends.
+    drain_timeout_s: float = 2.0
+    drain_floor_s: float = 0.1
+    drain_slack: float = 4.0
 
 
 @dataclasses.dataclass

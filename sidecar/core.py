@@ -7,6 +7,7 @@ request carries ``req`` and ``step``: the first rank's answer is replayed to the
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -35,6 +36,13 @@ class KVCore:
         self.reserved_limit = limits.reserved_bytes_limit or pool_bytes
         self.pinned_limit = limits.pinned_bytes_limit or pool_bytes
         self._reaper_due = float("inf")
+        # Every holder of pins or staging outside the lease and staging tables (prefetch
+        # sessions) registers here, so the books balance while they run: each provides
+        # ``pins_per_block() -> Counter`` and ``staged_blocks() -> int``.
+        self.holders: list = [self.leases, self.staging]
+        # Ranks of a group that left (died or detached) and have not attached again: a
+        # group lease made now is not held on their behalf (nobody would release it).
+        self.departed: dict[str, set] = {}
         self.publish_hooks: list = []  # fn(staging) after an engine store was published
         self.get_hooks: list = []  # fn(conn, msg) after a GET took its own reference
         sidecar.handlers.update({"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
@@ -50,6 +58,16 @@ class KVCore:
         if msg["group_size"] != self.layout.tp_size:
             raise OpError(ErrorCode.LAYOUT_MISMATCH,
                           f"group_size {msg['group_size']} != layout tp_size {self.layout.tp_size}")
+        gone = self.departed.get(msg["group"])
+        if gone is not None:  # the last check of an attach: it succeeds from here
+            gone.discard(msg["rank"])
+            if not gone:
+                del self.departed[msg["group"]]
+
+    def group_holders(self, conn) -> set:
+        """Ranks that hold a share of a group lease made now: the group minus departed ranks."""
+        info = conn.info
+        return set(range(info.group_size)) - self.departed.get(info.group, set())
 
     @staticmethod
     def _owner(conn) -> tuple:
@@ -101,8 +119,12 @@ class KVCore:
         if conn.info is None:
             return
         owner = self._owner(conn)
-        self.leases.client_gone(owner, conn.info.group, conn.info.rank)
-        self.staging.client_gone(conn.info.group, conn.info.rank)
+        info = conn.info
+        self.leases.client_gone(owner, info.group, info.rank)
+        self.staging.client_gone(info.group, info.rank)
+        if info.kv and not any(c is not conn and c.info is not None and c.info.group == info.group
+                               and c.info.rank == info.rank for c in self.sidecar.clients.values()):
+            self.departed.setdefault(info.group, set()).add(info.rank)
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:
@@ -123,7 +145,7 @@ class KVCore:
             self.index.touch(blocks)
             if grouped:
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
-                                        group=conn.info.group, holders=range(conn.info.group_size))
+                                        group=conn.info.group, holders=self.group_holders(conn))
             else:
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
                                         owner=self._owner(conn))
@@ -228,10 +250,16 @@ class KVCore:
         broken = self.index.check()
         if broken:
             return broken
-        pins = self.leases.pins_per_block()
+        pins = collections.Counter()
+        staged = 0
+        for holder in self.holders:
+            pins.update(holder.pins_per_block())
+            staged += holder.staged_blocks()
         for b in range(self.index.num_blocks):
             if self.index.refcount(b) != pins.get(b, 0):
-                return f"block {b}: refcount {self.index.refcount(b)} != live lease pins {pins.get(b, 0)}"
-        if self.staging.staged_blocks() != self.index.staged:
-            return f"staging records hold {self.staging.staged_blocks()} blocks, pool {self.index.staged}"
+                return f"block {b}: refcount {self.index.refcount(b)} != pins held {pins.get(b, 0)}"
+        if staged != self.index.staged:
+            return f"staging holders account for {staged} blocks, pool {self.index.staged}"
+        if staged != len(self.index.staging):
+            return f"staging holders account for {staged} blocks, staged keys {len(self.index.staging)}"
         return ""

@@ -138,6 +138,9 @@ class LeaseTable:
             c.update(unpack_ids(lease.blocks))
         return c
 
+    def staged_blocks(self) -> int:
+        return 0  # leases pin resident blocks only
+
     def stats(self, now: float) -> dict:
         ages = [now - lease.created for lease in self.leases.values()]
         return {"live": len(self.leases), "oldest_age_s": round(max(ages), 3) if ages else 0.0,

@@ -268,6 +268,22 @@ class Session:
         del self.chunks[chunk]
         return self._advance()
 
+    def chunk_pending(self, chunk: int) -> bool:
+        """True while ``chunk`` is claimed and its results are not in."""
+        c = self.chunks.get(chunk)
+        return c is not None and c.ok is None
+
+    def chunk_abandoned(self, chunk: int, now: float) -> list:
+        """After a stop: the executor stopped waiting for a chunk still in flight (its drain
+        budget ran out).  Like a withdrawn chunk its positions are not part of the result;
+        the executor keeps its blocks staging until the read really ends.  Only legal once
+        sealed and while the chunk is unresolved."""
+        c = self.chunks.get(chunk)
+        if c is None or c.ok is not None or not self.sealed:
+            raise ValueError(f"chunk {chunk} cannot be abandoned (unknown, resolved, or not sealed)")
+        del self.chunks[chunk]
+        return self._advance()
+
     def demand(self, now: float) -> list:
         if self.state == State.TERMINAL or self.p.policy != Policy.BEST_EFFORT:
             return []

@@ -49,6 +49,12 @@ class ChunkIO:
 
 
 @dataclasses.dataclass
+class Orphan:
+    chain: bytes
+    io: ChunkIO
+
+
+@dataclasses.dataclass
 class Record:
     id: int
     key: tuple  # (group, req, attempt)
@@ -67,6 +73,8 @@ class Record:
     transfer_times: list = dataclasses.field(default_factory=list)  # the L3 read itself
     restored: int = 0
     demanded: bool = False  # a scheduling candidate: its reads go ahead of queued requests'
+    drain_timer: bool = False  # a drain deadline is armed
+    abandoned: int = 0  # chunks whose read was still in flight when the drain budget ran out
 
 
 class SessionManager:
@@ -83,13 +91,19 @@ class SessionManager:
         self.counters = collections.Counter()
         self.stop_ms: dict[str, list] = collections.defaultdict(list)
         self.drain_ms: list = []
-        self.outstanding_staging = 0  # blocks staged by sessions and not yet resolved
+        self.outstanding_staging = 0  # blocks staged by sessions (orphans included) and not yet resolved
+        # Reads a stopped session stopped waiting for (the drain budget ran out, e.g. a dead
+        # L3 master): their blocks stay STAGING until the read really ends, then they are
+        # published (data landed, parent still resident) or freed.  (sid, chunk) -> Orphan
+        self.orphans: dict[tuple, Orphan] = {}
+        core.holders.append(self)
         s = self.sidecar
         s.handlers.update({"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
                            "poll": self.op_poll})
         s.kv_ops.update(("prefetch", "demand", "abort", "poll"))
         s.client_gone_hooks.append(self._client_gone)
         s.stats_providers.append(self.stats)
+        s.invariant_checks.append(self.check)
         self.index.resolve_hooks.append(self._key_resolved)
         core.get_hooks.append(self._handoff)
 
@@ -207,6 +221,74 @@ class SessionManager:
         """Carry out actions; executing one may produce more (e.g. a limit shrinks a claim)."""
         if rec.machine.sealed and rec.sealed_at is None:
             rec.sealed_at = time.monotonic()
+        self._carry_out(rec, actions)
+        if rec.machine.state == State.DRAINING and not rec.drain_timer:
+            rec.drain_timer = True
+            self.sidecar.call_at(time.monotonic() + self._drain_budget(rec), self._drain_expired, rec.id)
+
+    def _drain_budget(self, rec: Record) -> float:
+        """How long a stopped session waits for its reads in flight.
+
+        ``drain_floor_s + drain_slack x`` the expected time of the blocks still being read
+        (from the tier's running per-block estimate), capped at ``drain_timeout_s`` (also the
+        budget while no read has completed yet).  A healthy read always fits; a read stuck
+        behind a dead master (seconds) does not, and the session hands over what landed.
+        """
+        c = self.cfg
+        per_block = self.tier.read_s_per_block if self.tier is not None else None
+        if per_block is None:
+            return c.drain_timeout_s
+        blocks = sum(len(io.own_blocks) for io in rec.chunks.values() if io.read_ok is None)
+        return min(c.drain_timeout_s, c.drain_floor_s + c.drain_slack * per_block * blocks)
+
+    def _drain_expired(self, sid: int) -> None:
+        """The drain budget ran out: stop waiting on reads still in flight (they become orphans)."""
+        rec = self.by_id.get(sid)
+        if rec is None or rec.machine.state != State.DRAINING:
+            return
+        now = time.monotonic()
+        actions = []
+        for chunk, io in list(rec.chunks.items()):
+            if not rec.machine.chunk_pending(chunk):
+                continue  # its data landed (it waits for a predecessor) or it is being dropped
+            del rec.chunks[chunk]
+            for off, kind in enumerate(io.kinds):
+                pos = io.start + off
+                if kind == "have" and pos in rec.pins and pos >= rec.machine.published:
+                    self.index.unpin(pack_ids([rec.pins.pop(pos)]))
+            if io.read_ok is None and io.own_blocks:
+                self.orphans[(sid, chunk)] = Orphan(rec.chain, io)  # the read still owns its blocks
+            else:  # our part (if any) landed; only a shared block is late: free ours now
+                for pos, b in io.own_blocks.items():
+                    self.index.drop_staging(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+                    self.outstanding_staging -= 1
+                io.own_blocks.clear()
+            rec.abandoned += 1
+            self.counters["chunks_abandoned"] += 1
+            actions += rec.machine.chunk_abandoned(chunk, now)
+        if rec.abandoned:
+            log.warning("session %d: drain budget ran out, %d chunk(s) still in flight left behind",
+                        rec.id, rec.abandoned)
+        self._carry_out(rec, actions)
+
+    def _resolve_orphan(self, orphan: Orphan, ok: list) -> None:
+        """A read a session stopped waiting for ended: publish what landed in chain order
+        (while each parent is still resident), free the rest."""
+        idx, chain, io = self.index, orphan.chain, orphan.io
+        for pos, good in zip(sorted(io.own_blocks), ok):
+            b = io.own_blocks[pos]
+            key = chain[pos * KEY:(pos + 1) * KEY]
+            parent = idx.find(chain[(pos - 1) * KEY:pos * KEY]) if pos else -1
+            self.outstanding_staging -= 1
+            if good and (pos == 0 or parent >= 0):
+                idx.publish(key, b, parent)
+                self.counters["orphan_blocks_published"] += 1
+            else:
+                idx.drop_staging(key, b)
+                self.counters["orphan_blocks_dropped"] += 1
+        io.own_blocks.clear()
+
+    def _carry_out(self, rec: Record, actions: list) -> None:
         queue = collections.deque(actions)
         withdrawn = False
         while True:
@@ -327,6 +409,10 @@ class SessionManager:
         return extra
 
     def _read_done(self, sid: int, chunk: int, ok: list) -> None:
+        orphan = self.orphans.pop((sid, chunk), None)
+        if orphan is not None:
+            self._resolve_orphan(orphan, ok)
+            return
         rec = self.by_id.get(sid)
         io = rec.chunks.get(chunk) if rec else None
         if io is None:
@@ -444,10 +530,24 @@ class SessionManager:
                     self.core.leases.drop(rec.result_lease, "client_gone")
                     rec.result_lease = None
 
+    def pins_per_block(self) -> collections.Counter:
+        """Pins held by running sessions (a terminal session's result is a lease)."""
+        return collections.Counter(b for rec in self.by_id.values() for b in rec.pins.values())
+
+    def staged_blocks(self) -> int:
+        return self.outstanding_staging
+
+    def check(self) -> str:
+        counted = sum(len(io.own_blocks) for rec in self.by_id.values() for io in rec.chunks.values())
+        counted += sum(len(o.io.own_blocks) for o in self.orphans.values())
+        if counted != self.outstanding_staging:
+            return f"sessions stage {counted} blocks, outstanding_staging says {self.outstanding_staging}"
+        return ""
+
     def stats(self) -> dict:
         by_state = collections.Counter(r.machine.state.value for r in self.records.values())
         return {"sessions": {"by_state": dict(by_state), "outstanding_staging": self.outstanding_staging,
-                             **dict(self.counters)}}
+                             "orphans": len(self.orphans), **dict(self.counters)}}
 
 
 def _unpack(blob: bytes) -> list:

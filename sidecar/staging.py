@@ -130,5 +130,8 @@ class StagingTable:
     def next_deadline(self) -> float | None:
         return self._deadlines.next_due()
 
+    def pins_per_block(self) -> dict:
+        return {}  # its prefix pins are leases, counted by the lease table
+
     def staged_blocks(self) -> int:
         return sum(len(st.blocks) // 4 for st in self.records.values())

@@ -222,3 +222,16 @@ def prefetch_and_block(instance: str, layout_dict: dict, chain: bytes, conn) -> 
     kc.prefetch(chain, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
     conn.send("started")
     conn.poll(60)
+
+
+def kv_attach_and_wait(instance: str, layout_dict: dict, rank: int, group: str, conn) -> None:
+    """Attach a KV rank, report, then wait for the parent's word (or be killed)."""
+    from connector.kv_client import KVConnector
+    from shm.layout import KVLayout
+
+    c = KVConnector(instance, KVLayout(**layout_dict), rank=rank, group=group)
+    c.attach()
+    conn.send(c.client.slot)
+    if conn.poll(60):
+        conn.recv()
+    c.detach()

@@ -30,6 +30,8 @@ class L3Tier:
         self.writer = Lane("l3-write", post)
         self.counters = collections.Counter()
         self.last_read_ms = 0.0  # duration of the read whose completion is being delivered
+        # running estimate of one block's read time (EWMA over successful reads; None until one)
+        self.read_s_per_block: float | None = None
 
     def start(self) -> None:
         for lane in (self.meta, self.reader, self.writer):
@@ -81,6 +83,11 @@ class L3Tier:
             self.counters["read_blocks_ok"] += sum(ok)
             self.counters["read_blocks_failed"] += n - sum(ok)
             self.last_read_ms = ms
+            good = sum(ok)
+            if good:
+                sample = ms * 1e-3 / n
+                prev = self.read_s_per_block
+                self.read_s_per_block = sample if prev is None else 0.8 * prev + 0.2 * sample
             done(ok)
 
         return self.reader.submit(work, finish, priority)

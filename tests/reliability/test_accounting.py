@@ -1,0 +1,126 @@
+"""Accounting while things are in flight: books balance with sessions running, a dead rank's
+share of a group lease is never created, and a read stuck in L3 does not hold a stop hostage."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from connector.kv_client import KVConnector
+from shm.layout import KVLayout
+
+from .. import procs
+from ..helpers import store_to_l3, wait_terminal
+
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
+N = 24
+TOKENS = list(range(4 * N))
+
+
+def overrides(tmp_path, lay=LAY, **extra):
+    d = {f"layout.{k}": v for k, v in lay.as_dict().items()}
+    d.update({"pool.num_blocks": 96, "l3.file_dir": str(tmp_path / "l3")})
+    d.update(extra)
+    return d
+
+
+@pytest.fixture
+def l3_filled(sidecar_factory, instance, tmp_path):
+    torch.manual_seed(0)
+    kv = [tuple(torch.randn(N, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    sp = sidecar_factory(**overrides(tmp_path))
+    with KVConnector(instance, LAY) as c:
+        chain, _ = store_to_l3(c, kv, TOKENS)
+    sp.stop()
+    return chain
+
+
+def test_books_balance_while_sessions_are_in_flight_and_a_stuck_read_is_left_behind(
+        sidecar_factory, instance, tmp_path, l3_filled):
+    """Reads hang in L3: the session's staging and pins count in the books (they were ignored);
+    after its deadline the drain budget runs out, the session ends with what landed, and its
+    blocks stay staging (an orphan) until the read really ends (here: at shutdown)."""
+    sp = sidecar_factory(**overrides(tmp_path, **{"l3.hang": True, "sessions.drain_timeout_s": 0.3}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=5.0, chunk_max_blocks=8)
+        # wait (bounded) until the first chunk is staged and its read started
+        deadline = time.monotonic() + 10
+        while c.stats()["pool"]["staging"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        s = c.stats(check=True)
+        assert s["invariants"] == "", s["invariants"]
+        assert s["sessions"]["by_state"] == {"running": 1} and s["pool"]["staging"] > 0
+        c.abort("r")  # seal: the queued chunk is withdrawn, the read in flight is drained...
+        t0 = time.monotonic()
+        p = wait_terminal(c, "r")
+        waited = time.monotonic() - t0
+        assert p["status"] == "aborted" and p["prefix"] == 0  # ...until the drain budget ran out
+        assert waited < 5.0  # bounded by drain_timeout_s (0.3 s), not by the stuck read
+        s = c.stats(check=True)
+        assert s["invariants"] == "", s["invariants"]
+        assert s["sessions"]["orphans"] == 1 and s["sessions"]["chunks_abandoned"] == 1
+        assert s["pool"]["staging"] == 8 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+        assert s["sessions"]["by_state"] == {"terminal": 1}
+    assert sp.stop() == 0  # shutdown ends the stuck read; the orphan resolves; books balance
+
+
+def test_timeout_session_with_stuck_read_stops_within_the_drain_budget(
+        sidecar_factory, instance, tmp_path, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.hang": True, "sessions.drain_timeout_s": 0.2}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=0.05, chunk_max_blocks=8)
+        p = wait_terminal(c, "r")
+        assert p["status"] == "timeout" and p["prefix"] == 0
+        assert p["stop_ms"] is not None and p["stop_ms"] < 2000
+        s = c.stats(check=True)
+        assert s["invariants"] == ""
+
+
+MLA = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, tokens_per_block=4, tp_size=2, mla=True)
+
+
+def test_group_lease_made_after_a_rank_died_is_not_held_for_it(sidecar_factory, instance, tmp_path, spawn_ctx):
+    """TP=2: rank 1 is killed; a group GET made afterwards by rank 0 is released by rank 0 alone
+    (before, the dead rank stayed a holder and the blocks stayed pinned for lease_ttl_s)."""
+    sidecar_factory(**overrides(tmp_path, lay=MLA, **{"l3.backend": "none", "limits.lease_ttl_s": 600.0}))
+    parent, child = spawn_ctx.Pipe()
+    p = spawn_ctx.Process(target=procs.kv_attach_and_wait, args=(instance, MLA.as_dict(), 1, "g", child))
+    p.start()
+    try:
+        assert parent.poll(30)
+        parent.recv()
+        with KVConnector(instance, MLA, rank=0, group="g") as c:
+            chain = c.hasher.chain(TOKENS)
+            st = c.store(chain, req="w", step=1)
+            c.commit(st)
+            p.kill()
+            p.join(10)
+            deadline = time.monotonic() + 10
+            while c.stats()["counters"].get("clients_reclaimed", 0) < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            lease = c.get(chain, req="r", step=2)
+            assert lease.count == N
+            assert c.release(lease) is True
+            s = c.stats(check=True)
+            assert s["invariants"] == ""
+            assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+            # a rank that comes back is a holder again
+            parent2, child2 = spawn_ctx.Pipe()
+            p2 = spawn_ctx.Process(target=procs.kv_attach_and_wait, args=(instance, MLA.as_dict(), 1, "g", child2))
+            p2.start()
+            assert parent2.poll(30)
+            parent2.recv()
+            lease = c.get(chain, req="r", step=3)
+            c.release(lease)
+            assert c.stats()["pool"]["pinned"] == N  # rank 1 still holds its share
+            parent2.send("go")
+            p2.join(10)
+            assert c.stats(check=True)["pool"]["pinned"] == 0  # its detach released it
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
