@@ -115,7 +115,12 @@ class ControlSegment:
         if segment.size < control_segment_bytes(num_slots, ring_capacity):
             raise SegmentError("control segment too small for the requested slots/rings")
         view = segment.view
-        view[:HEADER_BYTES] = bytes(HEADER_BYTES)
+        # Zero every page now: the rings' first lap must not take page faults inside
+        # requests, and the sidecar's resident size is then flat from the start.
+        zeros = bytes(1 << 20)
+        for off in range(0, segment.size, len(zeros)):
+            n = min(len(zeros), segment.size - off)
+            view[off:off + n] = zeros[:n]
         _HDR.pack_into(view, 0, MAGIC, LAYOUT_VERSION, PROTOCOL_VERSION, generation, os.getpid(),
                        process_start_ticks(os.getpid()), num_slots, ring_capacity, STATE_STARTING, 0)
         _put_str(view, 128, instance)

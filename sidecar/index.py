@@ -50,9 +50,15 @@ class PrefixIndex:
         self.unpin = n.unpin
         self.count_unpinned = n.count_unpinned
         self.touch = n.touch
-        self.evict = n.evict
+        self.evicted = 0  # blocks evicted since start (churn figures)
         self.release_staging = n.release_staging
         self.find = n.find
+
+    def evict(self, want: int) -> int:
+        """Evict up to ``want`` LRU unpinned leaves; returns how many."""
+        done = self.native.evict(want)
+        self.evicted += done
+        return done
 
     def stage(self, key: bytes, block: int) -> None:
         self.staging[key] = block
@@ -100,7 +106,7 @@ class PrefixIndex:
         n = self.native
         return {"blocks": self.num_blocks, "block_bytes": self.block_bytes, "free": n.n_free,
                 "staging": n.n_staging, "resident": n.n_resident, "pinned": n.n_pinned,
-                "evictable": n.lru_len}
+                "evictable": n.lru_len, "evicted": self.evicted}
 
     def check(self) -> str:
         broken = self.native.check()

@@ -24,8 +24,10 @@ from .server import DEFERRED, OpError
 
 
 class L3Ops:
-    def __init__(self, core: KVCore, tier: L3Tier):
+    def __init__(self, core: KVCore, tier: L3Tier, max_put_backlog_blocks: int = 0):
         self.core = core
+        self.max_put_backlog = max_put_backlog_blocks or max(core.index.num_blocks // 4, 1)
+        self.put_backlog = 0  # blocks pinned by PUTs in flight
         self.tier = tier
         self.sidecar = core.sidecar
         self.counters = core.sidecar.counters
@@ -35,18 +37,25 @@ class L3Ops:
         self.sidecar.handlers["restore"] = self.op_restore
         self.sidecar.kv_ops.add("restore")
         self.sidecar.stats_providers.append(lambda: {"l3": {**self.tier.stats(), "puts_in_flight": self.puts_in_flight,
+                                                             "put_backlog_blocks": self.put_backlog,
                                                              "loads_in_flight": self.loads_in_flight}})
 
     # -- write-behind ---------------------------------------------------------------------------
     def write_behind(self, st) -> None:
         if not st.l3:
             return
+        n = len(st.blocks) // 4
+        if self.put_backlog + n > self.max_put_backlog:
+            self.counters["l3_put_skipped_blocks"] += n  # L3 is behind: keep it in the pool only
+            return
+        self.put_backlog += n
         lease = self.core.leases.new(st.blocks, ttl_s=float("inf"), now=time.monotonic(), kind="l3_put",
                                      owner=("l3", st.id))
         self.puts_in_flight += 1
 
         def done(ok):
             self.puts_in_flight -= 1
+            self.put_backlog -= n
             self.core.leases.drop(lease, "l3_put_done")
             self.counters["l3_published_blocks"] += sum(ok)
             self.counters["l3_put_failed_blocks"] += len(ok) - sum(ok)

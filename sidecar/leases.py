@@ -8,9 +8,10 @@ exactly once, by one of: release by its owner(s), its owner's death, TTL expiry
 * **Group lease**: a decision shared by every rank of a TP group (DESIGN §6); each
   rank holds one share and the lease drops when the last share is released.
 
-Release is idempotent: re-releasing a recently dropped lease answers "not held"
-instead of an error; a never-issued id is ``UNKNOWN_ID``; another client's lease is
-``NOT_OWNER``.
+Release is idempotent: re-releasing a dropped lease answers "not held" instead of an
+error; a never-issued id is ``UNKNOWN_ID``; another client's lease is ``NOT_OWNER``.
+Ids are issued in increasing order, so "issued and dropped" is any id below the next one
+that is not live — no memory of dropped leases is kept (flat under unbounded churn).
 """
 
 from __future__ import annotations
@@ -51,13 +52,12 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, index: PrefixIndex, remember: int = 8192):
+    def __init__(self, index: PrefixIndex):
         self.index = index
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(LEASE_ID_BASE)
+        self._next_id = LEASE_ID_BASE
         self._deadlines = DeadlineHeap(self.leases, lambda lease: lease.deadline)
-        self._recent = collections.OrderedDict()  # recently dropped id -> None
-        self._remember = remember
         self.counters = collections.Counter()
 
     def new(self, blocks: bytes, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
@@ -69,7 +69,9 @@ class LeaseTable:
     def adopt(self, blocks: bytes, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
               holders=None) -> Lease:
         """A lease over blocks the caller has already pinned (the pins move to the lease)."""
-        lease = Lease(next(self._ids), blocks, now + ttl_s, kind, owner, group,
+        lid = next(self._ids)
+        self._next_id = lid + 1
+        lease = Lease(lid, blocks, now + ttl_s, kind, owner, group,
                       set(holders) if holders is not None else None, now)
         self.leases[lease.id] = lease
         self._deadlines.push(lease.deadline, lease.id)
@@ -81,17 +83,14 @@ class LeaseTable:
         if self.leases.pop(lease.id, None) is None:
             return
         self.index.unpin(lease.blocks)
-        self._recent[lease.id] = None
-        if len(self._recent) > self._remember:
-            self._recent.popitem(last=False)
         self.counters[f"dropped_{reason}"] += 1
 
     def release(self, lease_id: int, owner: tuple, group: str | None, rank: int) -> bool:
         """Release the caller's hold; True if it held one.  Raises LeaseError on misuse."""
         lease = self.leases.get(lease_id)
         if lease is None:
-            if lease_id in self._recent:
-                return False
+            if LEASE_ID_BASE <= lease_id < self._next_id:
+                return False  # issued here and already dropped
             raise LeaseError(ErrorCode.UNKNOWN_ID, f"lease {lease_id} was never issued here")
         if lease.holders is None:
             if lease.owner != owner:

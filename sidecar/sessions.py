@@ -89,8 +89,9 @@ class SessionManager:
         self._ids = itertools.count(1)
         self.waiters: dict[bytes, list] = collections.defaultdict(list)  # key -> [(sid, chunk, pos)]
         self.counters = collections.Counter()
-        self.stop_ms: dict[str, list] = collections.defaultdict(list)
-        self.drain_ms: list = []
+        # recent stop / drain latencies (bounded: a long-running sidecar must not grow)
+        self.stop_ms: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=4096))
+        self.drain_ms: collections.deque = collections.deque(maxlen=4096)
         self.outstanding_staging = 0  # blocks staged by sessions (orphans included) and not yet resolved
         # Reads a stopped session stopped waiting for (the drain budget ran out, e.g. a dead
         # L3 master): their blocks stay STAGING until the read really ends, then they are
