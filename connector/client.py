@@ -181,14 +181,18 @@ class SidecarClient:
         """Put an already encoded frame in the submit ring (tests use this for bad input)."""
         if self._broken is not None or self._ctl is None:
             self._check_alive()
-        if not self._submit.try_push(frame):
-            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-            while not self._submit.try_push(frame):
-                self._drain_completions()
-                if self._submit.mark_waiting():
-                    continue
-                self._ctl.sidecar_doorbell.ring()
-                self._wait_slice(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline, busy=True)
+        try:
+            if not self._submit.try_push(frame):
+                deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+                while not self._submit.try_push(frame):
+                    self._drain_completions()
+                    if self._submit.mark_waiting():
+                        continue
+                    self._ctl.sidecar_doorbell.ring()
+                    self._wait_slice(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline, busy=True)
+        except RingCorrupted as exc:
+            self._broken = f"submit ring unusable: {exc}"
+            raise SidecarUnavailable(self._broken) from None
         self._ctl.sidecar_doorbell.ring()
 
     def wait(self, rid: int, timeout_s: float | None = None) -> dict:

@@ -101,13 +101,20 @@ class RingProducer(_RingBase):
         self._tail = _a.load_acquire_u64(self.tail_addr)
 
     def try_push(self, payload) -> bool:
-        """Append one frame; False (and nothing written) when it does not fit now."""
+        """Append one frame; False (and nothing written) when it does not fit now.
+
+        Raises :class:`RingCorrupted` when the consumer's ``head`` is impossible (behind
+        by more than ``capacity``, ahead of ``tail``, unaligned): a hostile consumer then
+        loses its ring instead of wedging the producer's back-pressure.
+        """
         n = len(payload)
         if n > self.max_payload:
             raise ValueError(f"frame of {n} bytes exceeds ring bound {self.max_payload}")
         need = (4 + n + 7) & ~7
         tail = self._tail
         head = _a.load_acquire_u64(self.head_addr)  # rule 2
+        if not 0 <= tail - head <= self.capacity or head & 7:
+            raise RingCorrupted(f"consumer index head={head} is impossible (tail={tail})")
         free = self.capacity - (tail - head)
         pos = tail & self.mask
         room_to_end = self.capacity - pos
@@ -136,6 +143,13 @@ class RingProducer(_RingBase):
 
     def free_bytes(self) -> int:
         return self.capacity - (self._tail - _a.load_acquire_u64(self.head_addr))
+
+    def drained(self) -> bool:
+        """True when the consumer has read everything; raises RingCorrupted on an impossible head."""
+        used = self._tail - _a.load_acquire_u64(self.head_addr)
+        if not 0 <= used <= self.capacity:
+            raise RingCorrupted(f"consumer index is {used} bytes off the producer's (capacity {self.capacity})")
+        return used == 0
 
 
 class RingConsumer(_RingBase):

@@ -66,4 +66,5 @@ class ClientConn:
         return True
 
     def completions_drained(self) -> bool:
-        return not self.outbox and self.completion.depth() == 0
+        """Raises RingCorrupted when the client moved its completion head impossibly."""
+        return not self.outbox and self.completion.drained()

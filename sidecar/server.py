@@ -154,8 +154,12 @@ class Sidecar:
                     return True
             elif conn.submit.has_data():
                 return True
-            if conn.detaching and conn.completions_drained():
-                return True
+            if conn.detaching:
+                try:
+                    if conn.completions_drained():
+                        return True
+                except RingCorrupted:
+                    return True  # _serve drops it
         return False
 
     def _step(self) -> bool:
@@ -228,7 +232,23 @@ class Sidecar:
         self._stats_dirty = True
 
     def _serve(self, conn: ClientConn) -> bool:
-        """Handle a batch from one client; True if anything happened."""
+        """Handle a batch from one client; True if anything happened.
+
+        Anything impossible in either of the client's rings drops that client only."""
+        try:
+            return self._serve_rings(conn)
+        except RingCorrupted as exc:
+            self._ring_corrupted(conn, exc)
+            return True
+
+    def _ring_corrupted(self, conn: ClientConn, exc: RingCorrupted) -> None:
+        self.counters["errors_ring_corrupted"] += 1
+        n = self.counters["errors_ring_corrupted"]
+        if n <= 10 or n % 1000 == 0:  # a hostile client must not flood the log either
+            log.warning("slot %d: %s; dropping the client (%d corrupt rings so far)", conn.slot, exc, n)
+        self._drop_client(conn, reason="corrupt ring")
+
+    def _serve_rings(self, conn: ClientConn) -> bool:
         worked = False
         if conn.outbox:
             if not conn.flush_outbox():
@@ -239,13 +259,7 @@ class Sidecar:
                 self._drop_client(conn, reason="detached")
                 return True
             return worked
-        try:
-            frames = conn.submit.pop_batch(64)
-        except RingCorrupted as exc:
-            self.counters["errors_ring_corrupted"] += 1
-            log.warning("slot %d: %s; dropping the client", conn.slot, exc)
-            self._drop_client(conn, reason="corrupt ring")
-            return True
+        frames = conn.submit.pop_batch(64)
         if not frames:
             return worked
         if conn.submit.producer_waiting():
@@ -308,8 +322,12 @@ class Sidecar:
             completion = dict(result or {})
             completion["id"] = rid
             completion["ok"] = True
-        conn.send(completion)
-        conn.flush_outbox()
+        try:
+            conn.send(completion)
+            conn.flush_outbox()
+        except RingCorrupted as exc:
+            self._ring_corrupted(conn, exc)
+            return False
         conn.doorbell.ring()
         return True
 
