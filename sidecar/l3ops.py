@@ -45,7 +45,7 @@ class L3Ops:
         if not st.l3:
             return
         n = len(st.blocks) // 4
-        if self.put_backlog + n > self.max_put_backlog:
+        if self.put_backlog and self.put_backlog + n > self.max_put_backlog:  # (one store always fits)
             self.counters["l3_put_skipped_blocks"] += n  # L3 is behind: keep it in the pool only
             return
         self.put_backlog += n

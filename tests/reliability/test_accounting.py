@@ -124,3 +124,24 @@ def test_group_lease_made_after_a_rank_died_is_not_held_for_it(sidecar_factory, 
         if p.is_alive():
             p.kill()
         p.join(5)
+
+
+def test_write_behind_backlog_is_bounded(sidecar_factory, instance, tmp_path):
+    """A slow L3: stores beyond the PUT backlog bound stay in the pool only (counted), so the
+    sidecar's pins and memory never grow with the backlog."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 300.0, "l3.max_put_backlog_blocks": 8}))
+    torch.manual_seed(1)
+    kv = [tuple(torch.randn(8, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    with KVConnector(instance, LAY) as c:
+        for i in range(3):
+            st = c.store(c.hasher.chain(list(range(1000 * i, 1000 * i + 32))), l3=True)
+            c.save(st, kv, list(range(st.count)))
+            c.commit(st)
+        s = c.stats()
+        assert s["l3"]["put_backlog_blocks"] == 8  # the first PUT is pending; the others were not queued
+        assert s["counters"]["l3_put_skipped_blocks"] == 16
+        from ..helpers import wait_l3_idle
+
+        s = wait_l3_idle(c)
+        assert s["counters"]["l3_published_blocks"] == 8 and s["l3"]["put_backlog_blocks"] == 0
+        assert c.stats(check=True)["invariants"] == ""

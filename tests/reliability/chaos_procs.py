@@ -1,0 +1,79 @@
+"""A TP rank process for the chaos tests: driven by commands over a pipe, it announces the
+phase it is entering (``("phase", name)``) so the parent can kill it at that exact point, and
+checks every page it loads against the pattern it stored (a corrupt page is counted, not
+hidden)."""
+
+from __future__ import annotations
+
+import time
+
+
+def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: int, seed: int, conn) -> None:
+    import torch
+
+    from connector.kv_client import KVConnector
+    from shm.errors import KvSidecarError
+    from shm.layout import KVLayout
+
+    from ..procs import make_kv
+
+    lay = KVLayout(**layout_dict)
+    kc = KVConnector(instance, lay, rank=rank, group=group, timeout_s=5.0)
+    kv = make_kv(layout_dict, rank, pages, seed)  # the same (seed, rank) gives the same pattern
+    while True:
+        if not conn.poll(120):
+            return
+        cmd, args = conn.recv()
+        try:
+            if cmd == "attach":
+                kc.attach()
+                res = kc.client.generation
+            elif cmd == "store":
+                chain = kc.hasher.chain(args["tokens"])
+                st = kc.store(chain, req=args["req"], step=args["step"], l3=args.get("l3", False))
+                conn.send(("phase", "saving"))
+                kc.save(st, kv, list(range(st.start, st.start + st.count)))
+                r = kc.commit(st)
+                res = {"count": st.count, "published": r.get("published")}
+            elif cmd == "get_load":
+                chain = kc.hasher.chain(args["tokens"])
+                lease = kc.get(chain, req=args["req"], step=args["step"])
+                out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+                conn.send(("phase", "loading"))
+                kc.load(lease, out, list(range(lease.count)))
+                n = lease.count
+                corrupt = sum(int(not torch.equal(a[p], b[p])) for la, lb in zip(kv, out) for a, b in zip(la, lb)
+                              for p in range(n))
+                kc.release(lease)
+                res = {"count": n, "corrupt_pages": corrupt}
+            elif cmd == "prefetch":
+                chain = kc.hasher.chain(args["tokens"])
+                kc.prefetch(chain, args["req"], policy=args.get("policy", "timeout"), budget_s=args.get("budget_s"),
+                            chunk_max_blocks=args.get("chunk"))
+                conn.send(("phase", "prefetching"))
+                res = True
+            elif cmd == "poll_terminal":
+                deadline = time.monotonic() + args.get("timeout_s", 20.0)
+                while True:
+                    p = kc.poll(args["req"])
+                    if p["state"] == "terminal" or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.005)  # poll cadence, bounded by the deadline
+                res = p
+            elif cmd == "lookup_timed":  # a call whose failure time is measured (dead sidecar)
+                chain = kc.hasher.chain(args["tokens"])
+                t0 = time.monotonic()
+                try:
+                    kc.lookup(chain)
+                    res = {"error": None, "ms": (time.monotonic() - t0) * 1e3}
+                except KvSidecarError as exc:
+                    res = {"error": type(exc).__name__, "ms": (time.monotonic() - t0) * 1e3}
+            elif cmd == "detach":
+                kc.detach()
+                conn.send(("done", None))
+                return
+            else:
+                raise ValueError(cmd)
+            conn.send(("done", res))
+        except KvSidecarError as exc:
+            conn.send(("error", (type(exc).__name__, getattr(exc, "code", None), str(exc))))
