@@ -158,10 +158,11 @@ def ctx():
     return mp.get_context("spawn")
 
 
-REPEAT = int(os.environ.get("KVS_CHAOS_REPEAT", "1"))
+# one trial of every kind in the default suite, four more of each in the slow run
+TRIALS = [0] + [pytest.param(i, marks=pytest.mark.slow) for i in range(1, 5)]
 
 
-@pytest.mark.parametrize("trial", range(REPEAT))
+@pytest.mark.parametrize("trial", TRIALS)
 def test_rank_killed_mid_load_mid_store_mid_prefetch(sidecar_factory, instance, tmp_path, ctx, trial):
     sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
     r0, r1 = Rank(ctx, instance, 0), Rank(ctx, instance, 1)
@@ -233,7 +234,7 @@ def test_rank_killed_mid_load_mid_store_mid_prefetch(sidecar_factory, instance, 
         r1.close()
 
 
-@pytest.mark.parametrize("trial", range(REPEAT))
+@pytest.mark.parametrize("trial", TRIALS)
 def test_sidecar_killed_mid_drain_then_restarted(sidecar_factory, instance, tmp_path, ctx, trial):
     slow = {"l3.latency_ms": 300.0}
     sp = sidecar_factory(**overrides(tmp_path))
@@ -338,7 +339,7 @@ def _session_then_fault(c, kv, toks, fault) -> tuple[bool, int, dict]:
 
 
 @pytest.mark.mooncake
-@pytest.mark.parametrize("trial", range(REPEAT))
+@pytest.mark.parametrize("trial", TRIALS)
 def test_mooncake_master_killed_mid_restore(instance, mooncake_master, trial):
     from sidecar.l3.master import MooncakeMaster
 
@@ -367,7 +368,7 @@ def test_mooncake_master_killed_mid_restore(instance, mooncake_master, trial):
 
 
 @pytest.mark.mooncake
-@pytest.mark.parametrize("trial", range(REPEAT))
+@pytest.mark.parametrize("trial", TRIALS)
 def test_mooncake_holder_killed_mid_read(instance, mooncake_master, trial):
     a = SidecarProcess(instance + "a", overrides=mc_overrides(mooncake_master))
     b = SidecarProcess(instance + "b", overrides=mc_overrides(mooncake_master, **{
