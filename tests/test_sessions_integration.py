@@ -11,7 +11,7 @@ from connector.kv_client import KVConnector
 from shm.errors import ErrorCode, RemoteError
 from shm.layout import KVLayout
 
-from .helpers import store_to_l3, wait_terminal
+from .helpers import store_to_l3, wait_l3_idle, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48  # blocks in the test chain
@@ -117,19 +117,53 @@ def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_p
         assert s["sessions"]["outstanding_staging"] == 0
 
 
-def test_two_ranks_one_session_and_consistent_polls(sidecar_factory, instance, tmp_path, kv, l3_filled):
-    lay2 = KVLayout(**{**LAY.as_dict(), "num_kv_heads": 2, "tp_size": 1})
-    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0}))
-    a = KVConnector(instance, lay2, rank=0, group="G")
-    a.attach()
-    b = KVConnector(instance, lay2, rank=0, group="G")  # a second client of the same group
-    b.attach()
-    va = a.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
-    vb = b.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+def test_two_ranks_one_session_and_consistent_polls(sidecar_factory, instance, tmp_path):
+    """TP=2: rank 0 and rank 1 of one group start one session; polls and the GET carry the
+    scheduler step and give both ranks the same answer; each rank releases its share."""
+    lay2 = KVLayout(**{**LAY.as_dict(), "tp_size": 2})
+    sidecar_factory(**{**{f"layout.{k}": v for k, v in lay2.as_dict().items()}, "pool.num_blocks": 160,
+                       "l3.file_dir": str(tmp_path / "l3"), "l3.latency_ms": 10.0})
+    ranks = [KVConnector(instance, lay2, rank=r, group="G") for r in (0, 1)]
+    for c in ranks:
+        c.attach()
+    torch.manual_seed(2)
+    kvs = [[tuple(torch.randn(N, 4, 1, 16).half() for _ in range(2)) for _ in range(2)] for _ in ranks]
+    chain = ranks[0].hasher.chain(TOKENS)
+    assert ranks[1].hasher.chain(TOKENS) == chain
+    sts = [c.store(chain, l3=True, req="w", step=1) for c in ranks]
+    assert sts[0].id == sts[1].id  # one group decision
+    for c, st, kv in zip(ranks, sts, kvs):
+        c.save(st, kv, list(range(st.count)))
+        c.commit(st)
+    wait_l3_idle(ranks[0])
+    ranks[0].flush()
+    va = ranks[0].prefetch(chain, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+    vb = ranks[1].prefetch(chain, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
     assert va["session"] == vb["session"] and vb["existed"] is True
-    wait_terminal(a, "r")
-    a.detach()
-    b.detach()
+    step = 10
+    while True:  # one scheduler loop: both ranks poll with the same step, get the same answer
+        step += 1
+        pa, pb = ranks[0].poll("r", step=step), ranks[1].poll("r", step=step)
+        pa.pop("id"), pb.pop("id")  # the completion's own request id differs per client
+        assert pa == pb
+        if pa["state"] == "terminal":
+            break
+        assert step < 10_000
+        time.sleep(0.002)
+    assert pa["status"] == "complete" and pa["prefix"] == N
+    leases = [c.get(chain, req="r", step=step + 1) for c in ranks]
+    assert leases[0].id == leases[1].id and leases[0].count == leases[1].count == N
+    for c, lease, kv in zip(ranks, leases, kvs):
+        out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+        c.load(lease, out, list(range(lease.count)))
+        assert all(torch.equal(a, b) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+    assert ranks[0].release(leases[0]) is True
+    assert ranks[0].stats()["pool"]["pinned"] == N  # rank 1 still holds its share
+    assert ranks[1].release(leases[1]) is True
+    s = books(ranks[0])
+    assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+    for c in ranks:
+        c.detach()
 
 
 def test_shared_prefix_is_read_once(sidecar_factory, instance, tmp_path, kv, l3_filled):
