@@ -188,7 +188,7 @@ def decode_request(data, limits: Limits = DEFAULT_LIMITS) -> dict:
     if type(rid) is not int or rid < 0 or rid > _MAX_ID:
         raise _err(ErrorCode.MALFORMED, "missing or invalid id", None)
     v = msg.get("v")
-    if v != PROTOCOL_VERSION:
+    if type(v) is not int or v != PROTOCOL_VERSION:  # exactly the int: true and 1.0 compare equal to 1
         raise _err(ErrorCode.BAD_VERSION, f"protocol version {v!r}, sidecar speaks {PROTOCOL_VERSION}", rid)
     op = msg.get("op")
     schema = OP_SCHEMAS.get(op) if type(op) is str else None

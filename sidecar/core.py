@@ -125,6 +125,11 @@ class KVCore:
         if info.kv and not any(c is not conn and c.info is not None and c.info.group == info.group
                                and c.info.rank == info.rank for c in self.sidecar.clients.values()):
             self.departed.setdefault(info.group, set()).add(info.rank)
+        if info.kv and not any(c is not conn and c.info is not None and c.info.kv and c.info.group == info.group
+                               for c in self.sidecar.clients.values()):
+            # the whole group left: shares and commits owed by ranks that never attached die with it
+            self.leases.group_gone(info.group)
+            self.staging.group_gone(info.group)
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:

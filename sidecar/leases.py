@@ -1,7 +1,8 @@
 """The lease table: who pins which resident blocks, until when.
 
 A lease pins its blocks (refcount +1 each) from creation until it is dropped,
-exactly once, by one of: release by its owner(s), its owner's death, TTL expiry
+exactly once, by one of: release by its owner(s), its owner's death (for a group
+lease: the last rank of the group leaving), TTL expiry
 (the reaper releases, never forgets), or sidecar shutdown.
 
 * **Plain lease**: owned by one client incarnation (slot + token).
@@ -120,6 +121,14 @@ class LeaseTable:
                 if not lease.holders:
                     self.drop(lease, "client_gone")
         return touched
+
+    def group_gone(self, group: str) -> int:
+        """The last rank of ``group`` left: drop its group leases.  A share still held is one
+        for a rank that never attached (nobody is left to release it); returns how many."""
+        gone = [lease for lease in self.leases.values() if lease.holders is not None and lease.group == group]
+        for lease in gone:
+            self.drop(lease, "group_gone")
+        return len(gone)
 
     def reap(self, now: float) -> int:
         """Drop leases past their deadline; returns how many."""

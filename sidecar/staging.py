@@ -4,8 +4,8 @@ A staging record owns STAGING blocks for keys ``chain[start:start+n]`` plus a le
 on the resident prefix ``[0, start)`` (so the parent of the first staged block cannot
 be evicted before publication — no holes).  Each writer rank commits once; when every
 writer has committed the blocks are published in chain order and the prefix lease is
-dropped.  A failed commit, a writer's death or the TTL aborts: the blocks go back to
-FREE unpublished.  Exactly one of publish / abort happens.
+dropped.  A failed commit, a writer's death, the last rank of the group leaving or the
+TTL aborts: the blocks go back to FREE unpublished.  Exactly one of publish / abort happens.
 """
 
 from __future__ import annotations
@@ -120,6 +120,14 @@ class StagingTable:
                 self.abort(st, "writer_gone")
                 n += 1
         return n
+
+    def group_gone(self, group: str) -> int:
+        """The last rank of ``group`` left: abort its engine stagings still waiting for a
+        writer (one that never attached would keep them staged until their TTL)."""
+        gone = [st for st in self.records.values() if st.source == "engine" and st.group == group]
+        for st in gone:
+            self.abort(st, "group_gone")
+        return len(gone)
 
     def reap(self, now: float) -> int:
         due = self._deadlines.pop_due(now)

@@ -22,7 +22,7 @@ def code_of(data, limits=p.DEFAULT_LIMITS):
 
 
 def test_round_trip():
-    chain = bytes(range(16)) * 3
+    chain = bytes(range(48))  # three distinct keys (a repeated key is refused)
     m = p.decode_request(p.encode({"v": 1, "op": "lookup", "id": 3, "chain": chain}))
     assert m["chain"] == chain and m["id"] == 3
     enc = p.Encoder()
@@ -37,6 +37,8 @@ def test_round_trip():
     (msgpack.packb({"v": 1, "op": "ping", "id": -1}), ErrorCode.MALFORMED, None),
     (msgpack.packb({"v": 2, "op": "ping", "id": 4}), ErrorCode.BAD_VERSION, 4),
     (msgpack.packb({"op": "ping", "id": 4}), ErrorCode.BAD_VERSION, 4),
+    (msgpack.packb({"v": True, "op": "ping", "id": 4}), ErrorCode.BAD_VERSION, 4),  # == 1, but not the int 1
+    (msgpack.packb({"v": 1.0, "op": "ping", "id": 4}), ErrorCode.BAD_VERSION, 4),
     (msgpack.packb({"v": 1, "op": "nope", "id": 4}), ErrorCode.UNKNOWN_OP, 4),
     (msgpack.packb({"v": 1, "op": 5, "id": 4}), ErrorCode.UNKNOWN_OP, 4),
     (req(op="lookup"), ErrorCode.MALFORMED, 7),
