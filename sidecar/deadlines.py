@@ -3,6 +3,10 @@
 Entries are ``(due, key)``; a record that left the dict (released, published, read by every
 rank) is simply skipped when its entry surfaces, so removal is O(1) and nothing is forgotten:
 a due record still present is always handed to the caller's reaper.
+
+Stale entries are bounded: when they outnumber the live records (plus a small slack), the
+heap is rebuilt from the live ones, so its size stays O(live) however many records come and
+go within one TTL (amortised O(1) per push).
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ class DeadlineHeap:
     def push(self, due: float, key) -> None:
         if due != float("inf"):
             heapq.heappush(self._heap, (due, key))
+            if len(self._heap) > 2 * len(self._live) + 64:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Keep only entries whose record is live (its latest deadline); O(n) once per n pushes."""
+        keep = [(due, key) for due, key in self._heap
+                if (rec := self._live.get(key)) is not None and self._deadline_of(rec) == due]
+        heapq.heapify(keep)
+        self._heap = keep
 
     def pop_due(self, now: float) -> list:
         """Live records whose deadline has passed (each once)."""

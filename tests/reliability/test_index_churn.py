@@ -118,3 +118,21 @@ def test_first_duplicate():
     dup = keys[:300] + [keys[5]] + keys[300:]
     assert first_duplicate(b"".join(dup)) == 300
     assert first_duplicate(os.urandom(16) * 3) == 1
+
+
+def test_deadline_heap_stays_bounded_under_churn():
+    """Records that come and go within their TTL leave no stale heap entries behind (it grew by
+    one entry per lease for a whole TTL before), and a due live record is still always reaped."""
+    from sidecar.deadlines import DeadlineHeap
+
+    live: dict[int, float] = {}
+    heap = DeadlineHeap(live, lambda due: due)
+    for i in range(100_000):
+        live[i] = 1000.0 + i
+        heap.push(live[i], i)
+        if i % 10 != 0:
+            del live[i]  # released long before its deadline
+        assert len(heap._heap) <= 2 * (len(live) + 1) + 65  # compaction runs at push time
+    due = heap.pop_due(1000.0 + 50_000)
+    assert sorted(due) == [1000.0 + i for i in range(0, 50_001, 10)]
+    assert heap.next_due() == 1000.0 + 50_010
