@@ -20,6 +20,13 @@ def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: i
     lay = KVLayout(**layout_dict)
     kc = KVConnector(instance, lay, rank=rank, group=group, timeout_s=5.0)
     kv = make_kv(layout_dict, rank, pages, seed)  # the same (seed, rank) gives the same pattern
+
+    def phase(name: str, args: dict) -> None:
+        """Announce ``name``; with ``hold`` wait there for the parent's "go" (or its kill -9)."""
+        conn.send(("phase", name))
+        if args.get("hold"):
+            if not conn.poll(60) or conn.recv() != "go":
+                raise SystemExit(1)
     while True:
         if not conn.poll(120):
             return
@@ -31,7 +38,7 @@ def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: i
             elif cmd == "store":
                 chain = kc.hasher.chain(args["tokens"])
                 st = kc.store(chain, req=args["req"], step=args["step"], l3=args.get("l3", False))
-                conn.send(("phase", "saving"))
+                phase("saving", args)
                 kc.save(st, kv, list(range(st.start, st.start + st.count)))
                 r = kc.commit(st)
                 res = {"count": st.count, "published": r.get("published")}
@@ -39,7 +46,7 @@ def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: i
                 chain = kc.hasher.chain(args["tokens"])
                 lease = kc.get(chain, req=args["req"], step=args["step"])
                 out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
-                conn.send(("phase", "loading"))
+                phase("loading", args)
                 kc.load(lease, out, list(range(lease.count)))
                 n = lease.count
                 corrupt = sum(int(not torch.equal(a[p], b[p])) for la, lb in zip(kv, out) for a, b in zip(la, lb)

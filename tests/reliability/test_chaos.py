@@ -175,8 +175,8 @@ def test_rank_killed_mid_load_mid_store_mid_prefetch(sidecar_factory, instance, 
 
         # -- mid-load: rank 1 dies between its GET and the end of its copy
         r0.send("get_load", tokens=tokens(1), req="k1", step=3)
-        r1.send("get_load", tokens=tokens(1), req="k1", step=3)
-        r1.until("loading")
+        r1.send("get_load", tokens=tokens(1), req="k1", step=3, hold=True)
+        r1.until("loading")  # it holds its share of the group lease, the copy not done
         r1.kill()
         reclaimed += 1
         kind, v = _next_non_phase(r0)
@@ -192,8 +192,8 @@ def test_rank_killed_mid_load_mid_store_mid_prefetch(sidecar_factory, instance, 
 
         # -- mid-store: rank 1 dies while saving its shard; nothing of that chain is published
         r0.send("store", tokens=tokens(2), req="st2", step=5)
-        r1.send("store", tokens=tokens(2), req="st2", step=5)
-        r1.until("saving")
+        r1.send("store", tokens=tokens(2), req="st2", step=5, hold=True)
+        r1.until("saving")  # staging open, its shard not written, not committed
         r1.kill()
         reclaimed += 1
         kind, v = _next_non_phase(r0)
