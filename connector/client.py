@@ -21,6 +21,7 @@ import time
 
 from shm import protocol
 from shm.control import STATE_READY, ControlSegment, process_start_ticks
+from shm.deathword import DEATH_WORD_OFFSET, DeathSentinel
 from shm.errors import (
     ProtocolError,
     RemoteError,
@@ -55,6 +56,7 @@ class SidecarClient:
         self._segment: Segment | None = None
         self._ctl: ControlSegment | None = None
         self._pidfd: int | None = None
+        self._sentinel: DeathSentinel | None = None
         self.slot: int | None = None
         self.generation: int | None = None
         self.attach_info: dict = {}
@@ -99,6 +101,9 @@ class SidecarClient:
         else:
             self.close()
             raise SidecarBusy(f"all {ctl.num_slots} client slots of {self.instance!r} are taken")
+        # held while attached: the kernel releases it when this process dies, before tearing
+        # down its address space, so the sidecar reclaims us fast whatever we mapped (shm.deathword)
+        self._sentinel = DeathSentinel(ctl.slot_addr(self.slot) + DEATH_WORD_OFFSET)
         self._submit = ctl.submit_producer(self.slot)
         self._completions = ctl.completion_consumer(self.slot)
         self._doorbell = ctl.client_doorbell(self.slot)
@@ -109,6 +114,7 @@ class SidecarClient:
                 group_size=self.group_size, pid=me, start=my_start, layout=self.layout)
         except RemoteError:
             # refused (e.g. a layout mismatch): hand the slot back before unmapping
+            self._release_sentinel()
             try:
                 self.call("detach", timeout_s=1.0)
                 self._ctl.sidecar_doorbell.ring()
@@ -125,6 +131,7 @@ class SidecarClient:
         """Tell the sidecar we leave (it releases what we held), then unmap."""
         if self._ctl is None:
             return
+        self._release_sentinel()  # while the slot is still ours
         try:
             if self._broken is None:
                 self.call("detach", timeout_s=timeout_s)
@@ -134,8 +141,14 @@ class SidecarClient:
         finally:
             self.close()
 
+    def _release_sentinel(self) -> None:
+        if self._sentinel is not None:
+            self._sentinel.release()
+            self._sentinel = None
+
     def close(self) -> None:
         """Unmap without telling the sidecar (it reclaims the slot when this process exits)."""
+        self._release_sentinel()
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

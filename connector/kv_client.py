@@ -11,6 +11,11 @@
     conn.commit(st)                                   # published when every writer committed
 
 Requests that carry ``req`` and ``step`` get the group's first answer (DESIGN §6).
+
+At attach the connector maps the pool and, in a background thread, gives every page
+of its mapping a page-table entry (on CUDA: ``cudaHostRegister``s it), so restores
+never fault; ``populate="sync"`` does it inside ``attach``, ``"off"`` not at all.
+``wait_populated`` / ``populate_stats`` say where it stands.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from shm.segment import Segment
 from .client import SidecarClient
 from .hashing import BlockHasher
 from .kv_copy import KVCopier
+from .pool_populate import PoolPopulator, cuda_device_for_attach
+
+POPULATE_MODES = ("background", "sync", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +59,16 @@ def _ids(blob: bytes) -> tuple:
 
 class KVConnector:
     def __init__(self, instance: str, layout: KVLayout, *, rank: int = 0, group: str = "engine",
-                 namespace: str = "", timeout_s: float = 5.0, **client_kw):
+                 namespace: str = "", timeout_s: float = 5.0, populate: str = "background",
+                 cuda_register="auto", **client_kw):
+        """``populate``: "background" (default), "sync" or "off" — making this rank's mapping
+        fault-free at attach.  ``cuda_register``: "auto" (when torch already initialised CUDA
+        in this process), True or False — register the mapping with CUDA at attach instead."""
+        if populate not in POPULATE_MODES:
+            raise ValueError(f"populate must be one of {POPULATE_MODES}")
+        self.populate = populate
+        self.cuda_register = cuda_register
+        self.populator: PoolPopulator | None = None
         self.layout = layout
         self.rank = rank
         self.client = SidecarClient(instance, group=group, rank=rank, group_size=layout.tp_size,
@@ -61,10 +78,32 @@ class KVConnector:
         self.copier: KVCopier | None = None
 
     def attach(self) -> dict:
+        self._unmap()  # a re-attach (sidecar restart) maps the new incarnation's pool
         info = self.client.attach()
-        self.pool = Segment.attach(info["pool"])
-        self.copier = KVCopier(self.layout, self.rank, self.pool.address, self.pool.size)
+        try:
+            self.pool = Segment.attach(info["pool"])
+        except BaseException:
+            self.client.close()
+            raise
+        if self.populate != "off":
+            device = cuda_device_for_attach(self.cuda_register)
+            self.populator = PoolPopulator(self.pool, cuda_device=device)
+        self.copier = KVCopier(self.layout, self.rank, self.pool.address, self.pool.size,
+                               registration=self.populator)
+        if self.populator is not None:
+            if self.populate == "sync":
+                self.populator.run()
+            else:
+                self.populator.start()
         return info
+
+    def wait_populated(self, timeout_s: float | None = None) -> bool:
+        """True once this rank's mapping is populated (or registered), or there is nothing to wait for."""
+        return self.populator is None or self.populator.wait(timeout_s)
+
+    def populate_stats(self) -> dict:
+        """{method, done, bytes, size, seconds, error, cuda_registered} of the attach-time populate."""
+        return {"method": "off", "done": True} if self.populator is None else self.populator.stats()
 
     def detach(self) -> None:
         self.client.detach()
@@ -75,6 +114,9 @@ class KVConnector:
         self._unmap()
 
     def _unmap(self) -> None:
+        if self.populator is not None:
+            self.populator.stop()  # within one chunk; never populate an address about to be unmapped
+            self.populator = None
         if self.copier is not None:
             self.copier.close()
             self.copier = None

@@ -8,9 +8,11 @@ contiguous region of ``layout.region_bytes``, and so is this rank's shard of tha
 
 CPU tensors: ``native.copy.copy_regions`` copies all regions of one (layer, K/V) in a
 single C loop with the GIL released, straight out of the shared mapping.
-CUDA tensors: the pool mapping is ``cudaHostRegister``-ed once, and each region is an
-async host↔device copy on the copier's stream (the caller synchronises per layer or at
-the end).  The CUDA path is exercised only where a GPU exists.
+CUDA tensors: the pool mapping is ``cudaHostRegister``-ed once — at attach, in the
+connector's background thread (``connector.pool_populate``), or else here before the
+first copy — and each region is an async host↔device copy on the copier's stream (the
+caller synchronises per layer or at the end).  The CUDA path is exercised only where a
+GPU exists.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from native.copy import copy_regions
 from shm.layout import KVLayout
 
 
+REGISTRATION_WAIT_S = 600.0  # bound on waiting for the attach-time cudaHostRegister
+
+
 class KVShapeError(ValueError):
     """Engine tensors do not match the layout."""
 
 
 class KVCopier:
-    def __init__(self, layout: KVLayout, rank: int, pool_address: int, pool_bytes: int):
+    def __init__(self, layout: KVLayout, rank: int, pool_address: int, pool_bytes: int, registration=None):
+        """``registration``: a ``PoolPopulator`` that may register the mapping with CUDA at attach."""
         self.layout = layout
+        self._registration = registration
         self.rank = rank
         self.shard = layout.shard_of(rank)
         self.pool_address = pool_address
@@ -75,6 +82,13 @@ class KVCopier:
         return self._copy(blocks, kv_caches, pages, layers, to_engine=False)
 
     def _copy(self, blocks, kv_caches, pages, layers, to_engine: bool) -> int:
+        reg = self._registration
+        if reg is None or reg.done:
+            return self._copy_now(blocks, kv_caches, pages, layers, to_engine)
+        with reg.copying():  # the attach-time populate pauses: two threads faulting one mapping are slower
+            return self._copy_now(blocks, kv_caches, pages, layers, to_engine)
+
+    def _copy_now(self, blocks, kv_caches, pages, layers, to_engine: bool) -> int:
         if len(blocks) != len(pages):
             raise KVShapeError(f"{len(blocks)} blocks but {len(pages)} pages")
         if not blocks:
@@ -103,6 +117,12 @@ class KVCopier:
         import torch
 
         L = self.layout
+        reg = self._registration
+        if not self._cuda_registered and reg is not None and reg.cuda_device is not None:
+            reg.wait_registration(REGISTRATION_WAIT_S)  # registering at attach: wait, don't register twice
+            if reg.cuda_registered:
+                self._cuda_registered = True
+                self._stream = torch.cuda.Stream()
         if not self._cuda_registered:
             rc = torch.cuda.cudart().cudaHostRegister(self.pool_address, self.pool_bytes, 0)
             if int(rc) != 0:
@@ -127,11 +147,15 @@ class KVCopier:
         return total
 
     def close(self) -> None:
-        if self._cuda_registered:  # pragma: no cover
+        """Unregister the mapping from CUDA if it was registered (here or at attach)."""
+        reg = self._registration
+        if self._cuda_registered or (reg is not None and reg.cuda_registered):  # pragma: no cover
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self.pool_address)
             self._cuda_registered = False
+            if reg is not None:
+                reg.cuda_registered = False
 
 
 def _ctypes_buffer(address: int, size: int):  # pragma: no cover

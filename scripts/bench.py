@@ -3,6 +3,7 @@
 measured in the same run (ratios; these machines are noisy).
 
     python scripts/bench.py ring  [--quick] [--json PATH]
+    python scripts/bench.py startup [--quick]   # pool ready time, first vs second pass, exits
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ SUITES = {
     "load": "bench_load",
     "l3": "bench_l3",
     "stop": "bench_stop",
+    "startup": "bench_startup",
 }
 
 

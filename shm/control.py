@@ -22,6 +22,8 @@
     [slot table: num_slots × SLOT_BYTES]
         0   u64 state word       0 = free, else (pid << 8) | SLOT_*
         8   u64 client start     client process start time (clock ticks)
+        16  death word           40 B robust pthread mutex the client holds while attached
+                                 (shm.deathword: its death is seen before its teardown)
         64  doorbell             the client's (sidecar posts after completing)
     [rings: num_slots × (submit ring, completion ring)]
 

@@ -6,6 +6,12 @@
 * ``address`` is the base address of the mapping, for the native atomics and
   copies.  The mapping stays valid until ``close``; callers must not use
   addresses after that.
+* A creator may pass ``init(fd, size)`` to allocate the pages through the file
+  before it is mapped (``shm.populate.fill_zeros`` / ``fallocate``); if ``init``
+  raises, the segment is removed again.  ``populate`` maps every page into the
+  calling process without a per-page Python loop (``shm.populate``).
+* ``create_memfd`` makes an anonymous segment (e.g. ``MFD_HUGETLB``) that others
+  open as ``/proc/<owner pid>/fd/<n>``; it disappears with its last user.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import posix_ipc
 
 from native.atomics import buffer_address
 
+from . import populate as _populate
 from .errors import SegmentError
 
 log = logging.getLogger(__name__)
@@ -42,15 +49,27 @@ def unlink_segment(name: str) -> bool:
         return False
 
 
+def _page_size(fd: int) -> int:
+    """The file system's page size for ``fd`` (2 MiB on hugetlbfs, else the base page)."""
+    try:
+        bsize = os.fstatvfs(fd).f_bsize
+    except OSError:
+        return _populate.PAGE
+    return bsize if bsize > _populate.PAGE else _populate.PAGE
+
+
 class Segment:
     """One mapped shared-memory segment."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, readonly: bool):
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, readonly: bool,
+                 page_size: int = _populate.PAGE, fd: int | None = None):
         self.name = name
         self.size = size
         self.owner = owner
         self.readonly = readonly
+        self.page_size = page_size  # 4 KiB, or 2 MiB for hugetlb-backed segments
         self._mm = mm
+        self._fd = fd  # kept open only for memfd segments (others open it through /proc)
         self._unlinked = False
         # The memoryview is an export of the mmap: while it lives the mapping
         # cannot be closed under an address handed out below.
@@ -59,8 +78,10 @@ class Segment:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, size: int, *, replace_stale: bool = False) -> "Segment":
-        """Create (exclusively) and map a new segment of ``size`` bytes, mode 0600."""
+    def create(cls, name: str, size: int, *, replace_stale: bool = False, init=None) -> "Segment":
+        """Create (exclusively) and map a new segment of ``size`` bytes, mode 0600.
+
+        ``init(fd, size)``, when given, runs before the mapping is made (allocation)."""
         if size <= 0:
             raise SegmentError(f"segment {name}: size must be positive")
         pname = _posix_name(name)
@@ -71,13 +92,18 @@ class Segment:
         except posix_ipc.ExistentialError as exc:
             raise SegmentError(f"segment {pname} already exists") from exc
         try:
+            if init is not None:
+                init(shm.fd, size)
             mm = mmap.mmap(shm.fd, size)
-        finally:
+        except BaseException:
             shm.close_fd()
+            unlink_segment(pname)
+            raise
+        shm.close_fd()
         return cls(name, size, mm, owner=True, readonly=False)
 
     @classmethod
-    def create_file(cls, path: str, size: int, *, replace_stale: bool = False) -> "Segment":
+    def create_file(cls, path: str, size: int, *, replace_stale: bool = False, init=None) -> "Segment":
         """Create a segment as a file (e.g. on a hugetlbfs mount), mode 0600; named by its path."""
         if replace_stale:
             try:
@@ -90,13 +116,44 @@ class Segment:
             raise SegmentError(f"segment {path} already exists") from exc
         try:
             os.ftruncate(fd, size)
+            if init is not None:
+                init(fd, size)
             mm = mmap.mmap(fd, size)
-        except OSError as exc:
+            page = _page_size(fd)
+        except BaseException as exc:
             os.close(fd)
             os.unlink(path)
-            raise SegmentError(f"cannot map {path}: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise SegmentError(f"cannot map {path}: {exc}") from exc
+            raise
         os.close(fd)
-        return cls(path, size, mm, owner=True, readonly=False)
+        return cls(path, size, mm, owner=True, readonly=False, page_size=page)
+
+    @classmethod
+    def create_memfd(cls, label: str, size: int, *, hugetlb: bool = False, init=None) -> "Segment":
+        """An anonymous segment (``memfd_create``), named ``/proc/<pid>/fd/<n>`` for attachers.
+
+        The fd stays open until ``unlink``/``close``; the memory is freed when the
+        owner and every attacher have let go of it (nothing is left behind on a crash).
+        With ``hugetlb`` it is backed by 2 MiB pages (``size`` must be a multiple)."""
+        flags = os.MFD_CLOEXEC | (_populate.MFD_HUGETLB if hugetlb else 0)
+        try:
+            fd = os.memfd_create(label, flags)
+        except OSError as exc:
+            raise SegmentError(f"memfd_create({label!r}) failed: {exc.strerror}") from exc
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            if init is not None:
+                init(fd, size)
+            mm = mmap.mmap(fd, size)
+            page = _page_size(fd)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise SegmentError(f"cannot map memfd {label!r}: {exc.strerror}") from exc
+            raise
+        return cls(f"/proc/{os.getpid()}/fd/{fd}", size, mm, owner=True, readonly=False, page_size=page, fd=fd)
 
     @classmethod
     def attach(cls, name: str, *, readonly: bool = False) -> "Segment":
@@ -129,9 +186,10 @@ class Segment:
             size = os.fstat(fd).st_size
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
             mm = mmap.mmap(fd, size, prot=prot)
+            page = _page_size(fd)
         finally:
             os.close(fd)
-        return cls(path, size, mm, owner=False, readonly=readonly)
+        return cls(path, size, mm, owner=False, readonly=readonly, page_size=page)
 
     # -- access -------------------------------------------------------------------------------
     @property
@@ -142,8 +200,27 @@ class Segment:
     def mmap(self) -> mmap.mmap:
         return self._mm
 
+    def populate(self, *, threads: int = 1, stop=None, progress=None, chunk: int = _populate.DEFAULT_CHUNK) -> str:
+        """Give every page of this mapping a page-table entry (``MADV_POPULATE_READ``, which
+        on a shared mapping maps pages writable; see :mod:`shm.populate`), ``threads``
+        workers, GIL released.
+
+        Returns the method used: ``"madvise"``, or ``"touch"`` on kernels without
+        MADV_POPULATE_* (each chunk read in C).  ``stop``/``progress`` as in
+        :mod:`shm.populate`."""
+        if self._mm is None:
+            raise SegmentError(f"segment {self.name} is closed")
+        try:
+            _populate.populate(self.address, self.size, threads=threads, stop=stop, progress=progress,
+                               chunk=chunk)
+            return "madvise"
+        except _populate.PopulateUnsupported:
+            _populate.touch(self.address, self.size, write=False, stop=stop, progress=progress, chunk=chunk)
+            return "touch"
+
     def prefault(self, progress=None, chunk: int = 64 << 20) -> None:
-        """Touch every page so first use does not pay the fault cost.
+        """Touch every page by writing zeros from Python, chunk by chunk (the original
+        start-up loop; kept as the benchmark's baseline).  Only for fresh segments.
 
         ``progress(done_bytes, total_bytes)`` is called after each chunk.
         """
@@ -160,6 +237,9 @@ class Segment:
 
     def close(self) -> None:
         """Drop the mapping (idempotent).  The owner should ``unlink`` first or after."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._mm is None:
             return
         self._view.release()
@@ -176,7 +256,10 @@ class Segment:
             raise SegmentError("only the owner unlinks a segment")
         if not self._unlinked:
             self._unlinked = True
-            if self.name.count("/") > 1:
+            if self._fd is not None:  # memfd: the name is our fd; attachers keep their own mappings
+                os.close(self._fd)
+                self._fd = None
+            elif self.name.count("/") > 1:
                 try:
                     os.unlink(self.name)
                 except FileNotFoundError:

@@ -29,9 +29,18 @@ class TransportConfig:
 
 @dataclasses.dataclass
 class PoolConfig:
+    """The CPU pool (see ``sidecar.pool_memory``)."""
+
     num_blocks: int = 1024
-    prefault: bool = True
-    hugepage_dir: str = ""  # a hugetlbfs mount: back the pool with huge pages (file there, mode 0600)
+    # how the pages are allocated at start: "write" (zeros through the file; the sidecar maps
+    # none), "map" (fallocate + parallel MADV_POPULATE_READ of the sidecar's mapping),
+    # "fallocate" (reserve only), "touch" (the old Python loop), "none"
+    populate: str = "write"
+    populate_threads: int = 0  # "map" workers; 0 = min(cpus, 8)
+    prefault: bool = True  # false = populate "none"
+    # 2 MiB pages: "auto" (when the kernel has enough free; logs when it falls back), "on", "off"
+    hugepages: str = "auto"
+    hugepage_dir: str = ""  # a hugetlbfs mount: back the pool with a file there (mode 0600)
 
 
 @dataclasses.dataclass
@@ -110,6 +119,13 @@ class SidecarConfig:
             raise ConfigError("instance must be 1..40 characters without '/'")
         if self.pool.num_blocks <= 0:
             raise ConfigError("pool.num_blocks must be positive")
+        modes = ("write", "map", "fallocate", "touch", "none")
+        if self.pool.populate not in modes:
+            raise ConfigError(f"pool.populate must be one of {modes}")
+        if self.pool.hugepages not in ("auto", "on", "off"):
+            raise ConfigError("pool.hugepages must be auto, on or off")
+        if self.pool.populate_threads < 0:
+            raise ConfigError("pool.populate_threads must be >= 0")
         for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
             if getattr(self.limits, name) < 0:
                 raise ConfigError(f"limits.{name} must be >= 0")

@@ -4,6 +4,10 @@
 A stale control segment from a dead sidecar is replaced and the generation is
 bumped past it, so clients of the old incarnation fail fast and re-attach.
 A live sidecar under the same instance name is never replaced.
+
+SIGTERM/SIGINT during start-up (the pool allocation can take a while for a large
+pool) stops it within one chunk: everything created so far is unlinked and the
+launcher exits 0.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 from shm.control import ControlSegment, control_segment_bytes, process_start_ticks
+from shm.deathword import DEATH_WORD_OFFSET
 from shm.errors import SegmentError
 from shm.segment import Segment, segment_exists, unlink_segment
 
@@ -25,7 +31,7 @@ from .l3.base import L3Error
 from .l3.tier import L3Tier
 from .l3ops import L3Ops
 from .sessions import SessionManager
-from .pool_memory import create_pool_segment
+from .pool_memory import StartupInterrupted, create_pool_segment
 from .server import Sidecar
 
 log = logging.getLogger(__name__)
@@ -59,9 +65,16 @@ def _previous_generation(name: str) -> int:
 class SidecarHost:
     """Owns the segments of one sidecar and the :class:`Sidecar` loop over them."""
 
-    def __init__(self, cfg: SidecarConfig):
+    def __init__(self, cfg: SidecarConfig, stop: threading.Event | None = None):
+        """``stop``, when set during start-up, interrupts the pool allocation (StartupInterrupted)."""
         self.cfg = cfg
+        self.t_start = time.monotonic()
         self.segments: list[Segment] = []
+        self.sidecar = None
+        self.master = None
+        self.tier = None
+        self._closed = False
+        self.exit_code = 0
         prev = _previous_generation(cfg.control_name)
         self.generation = max(prev + 1, time.time_ns() // 1000)
         t = cfg.transport
@@ -71,27 +84,25 @@ class SidecarHost:
         unlink_segment(cfg.control_name)
         self.control_segment = Segment.create(cfg.control_name, size)
         self.segments.append(self.control_segment)
-        self.ctl = ControlSegment.initialize(
-            self.control_segment, generation=self.generation, num_slots=t.num_slots,
-            ring_capacity=t.ring_bytes, instance=cfg.instance,
-        )
-        layout = cfg.kv_layout()
-        self.pool_segment = create_pool_segment(cfg, layout.block_bytes * cfg.pool.num_blocks)
-        self.segments.append(self.pool_segment)
-        self.ctl.set_pool_name(self.pool_segment.name)
-        self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
-        self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits)
-        self.master = None
-        self.tier = None
-        self._closed = False
-        self.exit_code = 0
         try:
+            self.ctl = ControlSegment.initialize(
+                self.control_segment, generation=self.generation, num_slots=t.num_slots,
+                ring_capacity=t.ring_bytes, instance=cfg.instance,
+            )
+            layout = cfg.kv_layout()
+            self.pool_segment = create_pool_segment(cfg, layout.block_bytes * cfg.pool.num_blocks, stop=stop)
+            self.segments.append(self.pool_segment)
+            self.ctl.set_pool_name(self.pool_segment.name)
+            self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
+            # a killed client is seen before its address space is torn down (shm.deathword)
+            self.sidecar.liveness.set_death_words(lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
+            self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits)
             backend = build_backend(cfg, self)
             if backend is not None:
                 backend.register_pool(self.pool_segment.address, self.pool_segment.size)
                 self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes)
-                L3Ops(self.core, self.tier)
+                L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
                 self.tier.start()
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions)
         except BaseException:
@@ -113,6 +124,9 @@ class SidecarHost:
             self.close()
 
     def _announce(self, marker: Path, ready_fd: int | None) -> None:
+        log.info("sidecar %s ready: pid %d, generation %d, pool %s (%d MiB), %.2f s after process start "
+                 "(%.2f s setting up); %s", self.cfg.instance, os.getpid(), self.generation, self.pool_segment.name,
+                 self.pool_segment.size >> 20, _process_age_s(), time.monotonic() - self.t_start, _rss_summary())
         line = f"{os.getpid()} {self.generation}\n"
         tmp = marker.with_suffix(".tmp")
         tmp.write_text(line)
@@ -128,14 +142,15 @@ class SidecarHost:
         if self._closed:
             return
         self._closed = True
-        if self.tier is not None:
-            self.tier.stop()  # in-flight L3 calls finish; their completions run below
-            self.sidecar.run_pending_events()
-        broken = "; ".join(filter(None, (check() for check in self.sidecar.invariant_checks)))
-        if broken:
-            log.error("accounting invariants broken after draining L3: %s", broken)
-            self.exit_code = 3
-        self.sidecar.shutdown()
+        if self.sidecar is not None:
+            if self.tier is not None:
+                self.tier.stop()  # in-flight L3 calls finish; their completions run below
+                self.sidecar.run_pending_events()
+            broken = "; ".join(filter(None, (check() for check in self.sidecar.invariant_checks)))
+            if broken:
+                log.error("accounting invariants broken after draining L3: %s", broken)
+                self.exit_code = 3
+            self.sidecar.shutdown()
         if self.master is not None:
             self.master.stop()
         try:
@@ -146,6 +161,28 @@ class SidecarHost:
             seg.unlink()
             seg.close()
         log.info("sidecar %s stopped; segments unlinked", self.cfg.instance)
+
+
+def _process_age_s() -> float:
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _rss_summary() -> str:
+    """This process's resident memory, split as /proc reports it (shared pool pages are RssShmem)."""
+    try:
+        with open("/proc/self/status") as f:
+            kv = {k: v.split()[0] for k, _, v in (line.partition(":") for line in f)
+                  if k in ("VmRSS", "RssAnon", "RssShmem", "VmHWM")}
+        return ", ".join(f"{k} {int(kv[k]) >> 10} MiB" for k in ("VmRSS", "RssAnon", "RssShmem", "VmHWM") if k in kv)
+    except (OSError, ValueError):
+        return "rss unknown"
 
 
 def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
@@ -212,12 +249,31 @@ def main(argv=None) -> int:
     if args.instance:
         overrides["instance"] = args.instance
     cfg = load_config(args.config, overrides)
+    # Installed before the segments exist: a signal during start-up (a large pool takes a
+    # while to allocate) interrupts it between chunks, and what was created is unlinked.
+    stop = threading.Event()
+    started: list[SidecarHost] = []
+
+    def on_signal(signum, _frame):
+        if started:
+            started[0].sidecar.request_stop()
+        else:
+            stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        host = SidecarHost(cfg)
+        host = SidecarHost(cfg, stop=stop)
+    except StartupInterrupted:
+        log.info("sidecar %s: start-up interrupted by a signal; segments unlinked", cfg.instance)
+        return 0
     except (L3Error, SegmentError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: host.sidecar.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: host.sidecar.request_stop())
+    started.append(host)
+    if stop.is_set():  # the signal came after the pool was made, before the handler could stop the loop
+        host.close()
+        log.info("sidecar %s: stopped during start-up; segments unlinked", cfg.instance)
+        return 0
     host.serve(args.ready_fd)
     return host.exit_code

@@ -9,6 +9,13 @@ When a pidfd becomes readable (the process exited) the monitor calls
 ``on_dead(key)`` from its own thread; the callback must only enqueue an event
 and ring the control thread.  No timeouts are needed: the thread sleeps until a
 process dies or the watch set changes (an eventfd).
+
+A pidfd fires only after the dead process's address space is torn down, which for
+a rank that mapped a large pool with 4 KiB pages takes ~50-90 ms per GiB.  With
+``set_death_words(address_of)`` the monitor also waits on each client's death word
+(``shm.deathword``: a robust mutex the client holds in its slot), which the kernel
+releases *before* that teardown, so a killed rank is reclaimed within milliseconds
+whatever the pool size.  Whichever fires first reports; ``on_dead`` runs once per watch.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import select
 import threading
 
 from shm.control import process_start_ticks
+from shm.deathword import DeathWordWatch
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +39,18 @@ class LivenessMonitor:
         self._by_key: dict[object, int] = {}
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = False
+        self._death_word_of = None  # key -> address of the client's death word, or None
+        self._death_watches: dict[object, DeathWordWatch] = {}
+        self._retired: list[DeathWordWatch] = []  # stopped, maybe still running: joined in stop()
+        self.early_deaths = 0  # deaths reported by a death word before the pidfd
         self._thread = threading.Thread(target=self._run, name="kvsidecar-liveness", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def set_death_words(self, address_of) -> None:
+        """Also watch each client's death word at ``address_of(key)`` (see the module docstring)."""
+        self._death_word_of = address_of
 
     def watch(self, key, pid: int, start_ticks: int = 0) -> bool:
         """Watch ``pid`` under ``key``.  False when it is already dead (or a different process)."""
@@ -52,14 +68,41 @@ class LivenessMonitor:
             self.unwatch(key, _locked=True)
             self._watches[fd] = (key, pid)
             self._by_key[key] = fd
+            address = self._death_word_of(key) if self._death_word_of is not None else None
+            if address:
+                self._death_watches[key] = DeathWordWatch(address, pid, lambda: self._early_death(key, fd, pid),
+                                                          name=str(pid))
         os.eventfd_write(self._wake_fd, 1)
         return True
+
+    def _retire(self, dw: DeathWordWatch) -> None:  # with self._lock held
+        dw.stop(join_s=0.0)  # wakes it; it exits without reporting
+        self._retired = [w for w in self._retired if w.alive]
+        self._retired.append(dw)
+
+    def _early_death(self, key, fd: int, pid: int) -> None:  # a DeathWordWatch thread
+        with self._lock:
+            if self._by_key.get(key) != fd:
+                return  # already reported or unwatched
+            self._by_key.pop(key)
+            self._watches.pop(fd, None)
+            os.close(fd)
+            me = self._death_watches.pop(key, None)
+            if me is not None:
+                self._retired.append(me)  # this very thread: joined in stop()
+            self.early_deaths += 1
+        os.eventfd_write(self._wake_fd, 1)
+        log.info("client pid %d exiting (death word, before its address space is torn down)", pid)
+        self._on_dead(key)
 
     def unwatch(self, key, _locked: bool = False) -> None:
         if not _locked:
             with self._lock:
                 return self.unwatch(key, _locked=True)
         fd = self._by_key.pop(key, None)
+        dw = self._death_watches.pop(key, None)
+        if dw is not None:
+            self._retire(dw)
         if fd is not None:
             self._watches.pop(fd, None)
             os.close(fd)
@@ -75,6 +118,13 @@ class LivenessMonitor:
                 os.close(fd)
             self._watches.clear()
             self._by_key.clear()
+            watches = list(self._death_watches.values())
+            self._death_watches.clear()
+            retired, self._retired = self._retired, []
+        for dw in watches:
+            dw.stop(join_s=1.0)  # before the control segment they read is unmapped
+        for dw in retired:
+            dw.join(1.0)
         os.close(self._wake_fd)
 
     def _run(self) -> None:
@@ -103,6 +153,9 @@ class LivenessMonitor:
                     if entry is not None:
                         self._by_key.pop(entry[0], None)
                         os.close(fd)
+                        dw = self._death_watches.pop(entry[0], None)
+                        if dw is not None:
+                            self._retire(dw)
                 if entry is not None:
                     log.info("client pid %d exited", entry[1])
                     self._on_dead(entry[0])

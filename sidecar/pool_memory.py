@@ -1,54 +1,169 @@
-"""The pool's bytes: one shared segment of ``num_blocks × block_bytes``, pre-faulted.
+"""The pool's bytes: one shared segment of ``num_blocks × block_bytes``, allocated at start.
 
-Default backing is POSIX shm (``/dev/shm/<instance>.pool``).  With
-``pool.hugepage_dir`` set to a hugetlbfs mount, the pool is a file there instead
-(2 MiB pages: far fewer page-table entries, so mapping, pre-faulting and tearing
-down a large pool are cheaper).  Either way clients map it by the name published in
-the control header; pages are touched once at start so first use is not a fault storm.
+Backing (``pool.hugepages``, default ``"auto"``):
+
+* ``pool.hugepage_dir`` set: a file on that hugetlbfs mount (2 MiB pages).
+* else, when the kernel has enough free 2 MiB pages: an ``MFD_HUGETLB`` memfd, which
+  clients open as ``/proc/<sidecar pid>/fd/<n>`` (it vanishes with its last user).
+* else POSIX shm ``/dev/shm/<instance>.pool`` with 4 KiB pages; the log says why.
+
+Huge pages mean 512× fewer page-table entries: mapping, populating and tearing
+down a large pool are that much cheaper in every process that maps it.
+``"on"`` makes huge pages mandatory (a start-up error otherwise), ``"off"`` never
+uses them.
+
+Allocation (``pool.populate``), no per-page Python loop in any mode:
+
+* ``"write"`` (default): every page allocated and zeroed by writing zeros through
+  the file (hugetlb: ``fallocate``, which zeroes).  The sidecar itself maps no
+  page (small RSS, cheap exit); ranks map resident pages at attach.
+* ``"map"``: ``fallocate``, then ``MADV_POPULATE_READ`` of the sidecar's own
+  mapping from ``pool.populate_threads`` threads (for a sidecar that does heavy
+  I/O into the pool itself).
+* ``"fallocate"``: reserve only (ENOSPC now, not SIGBUS later); pages are zeroed by
+  whoever touches them first (a rank's background populate).
+* ``"touch"``: the original single-threaded loop of Python writes (the
+  benchmark's baseline).  ``"none"``: nothing (``pool.prefault = false``).
+
+Every mode reports progress in the log (every 10 % or 5 s) and checks ``stop``
+between chunks: SIGTERM during start-up stops within one chunk and the caller
+unlinks what was created.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+from shm import populate as P
+from shm.errors import SegmentError
 from shm.segment import Segment, unlink_segment
 
 log = logging.getLogger(__name__)
 
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = P.HUGE_PAGE
+POPULATE_MODES = ("write", "map", "fallocate", "touch", "none")
+HUGEPAGE_MODES = ("auto", "on", "off")
+StartupInterrupted = P.Interrupted  # SIGTERM/SIGINT while the pool was being allocated
 
 
-def create_pool_segment(cfg, size: int) -> Segment:
-    if cfg.pool.hugepage_dir:
-        name = f"{cfg.pool.hugepage_dir.rstrip('/')}/{cfg.instance}.pool"
-        size = (size + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # hugetlbfs sizes are whole pages
-        seg = Segment.create_file(name, size, replace_stale=True)
-    else:
-        unlink_segment(cfg.pool_name)
-        seg = Segment.create(cfg.pool_name, size)
-    if cfg.pool.prefault:
-        t0 = time.monotonic()
-        step = max(size // 10, 1)
-        marks = {"next": step}
+class _Progress:
+    """Log lines for long allocations: every 10 % and at least every ``every_s``."""
 
-        def progress(done, total):
-            if done >= marks["next"] or done == total:
-                log.info("pre-faulting pool %s: %d%% (%d MiB)", seg.name, 100 * done // total, done >> 20)
-                marks["next"] += step
+    def __init__(self, name: str, what: str, every_s: float = 5.0):
+        self.name, self.what, self.every_s = name, what, every_s
+        self.t0 = self.last_t = time.monotonic()
+        self.next_pct = 10
 
-        seg.prefault(progress)
-        log.info("pool %s: %d MiB pre-faulted in %.2f s", seg.name, size >> 20, time.monotonic() - t0)
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        pct = 100 * done // max(total, 1)
+        if pct >= self.next_pct or now - self.last_t >= self.every_s:
+            if done < total:
+                log.info("pool %s: %s %d%% (%d of %d MiB, %.1f s)", self.name, self.what, pct, done >> 20,
+                         total >> 20, now - self.t0)
+            self.last_t = now
+            self.next_pct = (pct // 10 + 1) * 10
+
+
+def populate_threads(cfg) -> int:
+    n = cfg.pool.populate_threads
+    return n if n > 0 else max(1, min(os.cpu_count() or 1, 8))
+
+
+def _mode(cfg) -> str:
+    return cfg.pool.populate if cfg.pool.prefault else "none"
+
+
+def _initializer(mode: str, huge: bool, name: str, stop):
+    """``init(fd, size)`` for Segment.create*: the allocation that goes through the file."""
+    if mode == "write" and not huge:
+        return lambda fd, size: P.fill_zeros(fd, size, stop=stop, progress=_Progress(name, "allocating"))
+    if mode in ("write", "map", "fallocate"):
+        return lambda fd, size: P.fallocate(fd, size, stop=stop, progress=_Progress(name, "allocating"))
+    return None
+
+
+def _check_stop(stop, progress):
+    def cb(done, total):
+        if stop is not None and stop.is_set():
+            raise StartupInterrupted("pre-fault interrupted")
+        progress(done, total)
+    return cb
+
+
+def _create(cfg, size: int, stop) -> tuple[Segment, str]:
+    """The segment with its pages allocated as ``pool.populate`` says; and a word on the backing."""
+    mode = _mode(cfg)
+    want = cfg.pool.hugepages
+    huge_size = P.round_up(size, HUGE_PAGE)  # hugetlb sizes are whole pages
+    if cfg.pool.hugepage_dir and want != "off":
+        path = f"{cfg.pool.hugepage_dir.rstrip('/')}/{cfg.instance}.pool"
+        try:
+            seg = Segment.create_file(path, huge_size, replace_stale=True,
+                                      init=_initializer(mode, True, path, stop))
+            return seg, f"hugetlbfs {cfg.pool.hugepage_dir}"
+        except StartupInterrupted:
+            raise
+        except SegmentError as exc:
+            if want == "on":
+                raise
+            log.warning("pool: cannot use huge pages in %s (%s); falling back to 4 KiB pages",
+                        cfg.pool.hugepage_dir, exc)
+    elif want != "off":
+        avail = P.hugepages_available()
+        if avail >= huge_size:
+            label = f"{cfg.instance}.pool"
+            try:
+                seg = Segment.create_memfd(label, huge_size, hugetlb=True,
+                                           init=_initializer(mode, True, label, stop))
+                return seg, "memfd MFD_HUGETLB"
+            except StartupInterrupted:
+                raise
+            except SegmentError as exc:
+                if want == "on":
+                    raise
+                log.warning("pool: %d MiB of 2 MiB pages looked free but allocating them failed (%s); "
+                            "falling back to 4 KiB pages", avail >> 20, exc)
+        elif want == "on":
+            raise SegmentError(f"pool.hugepages = on, but only {avail >> 20} MiB of 2 MiB pages are free "
+                               f"({huge_size >> 20} MiB needed; raise vm.nr_hugepages)")
+        else:
+            log.info("pool: 4 KiB pages: huge pages unavailable (%d MiB of 2 MiB pages free, %d MiB needed; "
+                     "set vm.nr_hugepages, or pool.hugepages = \"off\" to skip this check)",
+                     avail >> 20, huge_size >> 20)
+    unlink_segment(cfg.pool_name)
+    seg = Segment.create(cfg.pool_name, size, init=_initializer(mode, False, cfg.pool_name, stop))
+    return seg, "/dev/shm"
+
+
+def create_pool_segment(cfg, size: int, stop=None) -> Segment:
+    """Create and allocate the pool; ``stop`` (an Event) interrupts it with StartupInterrupted."""
+    t0 = time.monotonic()
+    mode = _mode(cfg)
+    seg, backing = _create(cfg, size, stop)
+    try:
+        how = mode
+        if mode == "map":
+            n = populate_threads(cfg)
+            used = seg.populate(threads=n, stop=stop, progress=_Progress(seg.name, f"mapping ({n} threads)"))
+            how = f"map, {n} threads" + (", touch fallback" if used == "touch" else "")
+        elif mode == "touch":
+            seg.prefault(_check_stop(stop, _Progress(seg.name, "pre-faulting")))
+    except BaseException:
+        seg.unlink()
+        seg.close()
+        raise
+    dt = time.monotonic() - t0
+    gib = seg.size / (1 << 30)
+    log.info("pool %s ready: %d MiB, %s pages (%s), populate=%s, in %.3f s (%.3f s/GiB)", seg.name,
+             seg.size >> 20, "2 MiB" if seg.page_size >= HUGE_PAGE else "4 KiB", backing, how, dt,
+             dt / gib if gib else 0.0)
     return seg
 
 
 def hugetlbfs_mount(need_bytes: int) -> str | None:
     """A hugetlbfs mount with enough free 2 MiB pages for ``need_bytes``, or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            free = int(next(line for line in f if line.startswith("HugePages_Free")).split()[1])
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1] for line in f if line.split()[2] == "hugetlbfs"]
-    except (OSError, StopIteration):
-        return None
-    return mounts[0] if mounts and free * HUGE_PAGE >= need_bytes else None
+    mounts = P.hugetlbfs_mounts()
+    return mounts[0] if mounts and P.hugepages_available() >= need_bytes else None

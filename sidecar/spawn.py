@@ -22,7 +22,9 @@ class SidecarStartError(RuntimeError):
 
 class SidecarProcess:
     def __init__(self, instance: str, *, config: str | None = None, overrides: dict | None = None,
-                 log_level: str = "WARNING", start_timeout_s: float = 30.0, env: dict | None = None):
+                 log_level: str = "WARNING", start_timeout_s: float = 30.0, env: dict | None = None,
+                 stderr=None):
+        """``stderr``: where the child's log goes (a file object or fd; default: inherited)."""
         self.instance = instance
         args = [sys.executable, str(LAUNCHER), "--instance", instance, "--log-level", log_level]
         if config:
@@ -31,7 +33,7 @@ class SidecarProcess:
             args += ["--set", f"{key}={_toml_value(value)}"]
         rfd, wfd = os.pipe()
         args += ["--ready-fd", str(wfd)]
-        self.proc = subprocess.Popen(args, pass_fds=(wfd,), env=env)
+        self.proc = subprocess.Popen(args, pass_fds=(wfd,), env=env, stderr=stderr)
         os.close(wfd)
         try:
             ready, _, _ = select.select([rfd], [], [], start_timeout_s)
