@@ -66,6 +66,10 @@ class L3Config:
     mooncake_global_segment_bytes: int = 256 << 20
     mooncake_local_buffer_bytes: int = 64 << 20
     setup_timeout_s: float = 5.0
+    # Write-behind backlog bound: blocks pinned for L3 PUTs not yet done (0 = a quarter of the
+    # pool).  A store that would exceed it (while PUTs are pending) is published in the pool but
+    # not written to L3 (counted), so a slow L3 never grows memory or pins without bound.
+    max_put_backlog_blocks: int = 0
     # shaping / faults (tests and benchmarks)
     latency_ms: float = 0.0
     bandwidth_mbps: float = 0.0
