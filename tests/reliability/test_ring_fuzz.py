@@ -85,7 +85,7 @@ def attacker(instance: str, seed: int, stop, conn) -> None:
                 sub.try_push(protocol.encode({"v": 1, "op": "ping", "id": 99}))
             done[kind] += 1
             ctl.sidecar_doorbell.ring()
-            deadline = time.monotonic() + 2.0
+            deadline = time.monotonic() + 5.0  # generous: the machine is shared and loaded
             while time.monotonic() < deadline:
                 if ctl.slot_state(slot)[1] == SLOT_FREE:
                     dropped[kind] += 1
