@@ -110,9 +110,9 @@ class L3Ops:
                                ttl_s=None, now=now, ns=ns, source="l3")
         self.loads_in_flight += 1
 
-        def loaded(ok):
+        def loaded(result):
             self.loads_in_flight -= 1
-            n = core.staging.complete_load(st, ok)
+            n = core.staging.complete_load(st, result.ok)
             self.counters["l3_restored_blocks"] += n
             self.sidecar.reply(conn, rid, {"restored": n, "resident": start + n, "l3_hits": hits,
                                            "failed": count - n})

@@ -1,8 +1,9 @@
 """The prefetch session lifecycle as a pure state machine: events in, actions out.
 
 No I/O, no clock of its own (every event carries ``now``), no knowledge of pools or
-L3 — in the spirit of h11.  The control thread (``sidecar.sessions``) feeds events
-and carries out the actions.  Positions are block indices in the request's chain.
+L3 — in the spirit of h11: typed events in (:meth:`Session.handle`), typed actions out;
+an event the state does not allow raises :class:`IllegalEvent`.  The control thread
+(``sidecar.sessions``) feeds events and carries out the actions.  Positions are block indices in the request's chain.
 
 ::
 
@@ -82,6 +83,63 @@ class Finish:
     status: Status
     prefix: int  # the protected continuous prefix [0, prefix), on a valid checkpoint
     reason: str = ""
+
+
+# -- events (inputs; every one carries the caller's clock) ---------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Start:
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryDone:
+    hits: int  # consecutive blocks from the Query's start that L3 holds
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimGranted:
+    chunk: int
+    granted: int  # the executor could reserve only this many of the claimed blocks (a limit)
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkDone:
+    chunk: int
+    ok: tuple  # per block of the chunk: its data landed
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkWithdrawn:
+    chunk: int  # after a seal: its read never started (taken back from the sender queue)
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkAbandoned:
+    chunk: int  # after a seal: its read is still in flight, the drain budget ran out
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Demand:
+    now: float  # the request became a scheduling candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    now: float  # a timer fired (the deadline)
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    now: float  # the request left
+
+
+class IllegalEvent(ValueError):
+    """An event the machine cannot receive in its state (a bug in the caller)."""
 
 
 @dataclasses.dataclass
@@ -210,62 +268,100 @@ class Session:
         return out + [Finish(self.status, self.prefix, self.reason)]
 
     # -- events ---------------------------------------------------------------------------------
-    def start(self, now: float) -> list:
-        if self.state != State.CREATED:
+    def handle(self, event) -> list:
+        """Feed one event; returns the actions to carry out (in order).
+
+        Late events after TERMINAL are ignored (a query answer or an abort that raced the end);
+        events that cannot happen in the current state raise :class:`IllegalEvent`.
+        """
+        try:
+            on = self._HANDLERS[type(event)]
+        except KeyError:
+            raise IllegalEvent(f"not a session event: {event!r}") from None
+        if self.state == State.TERMINAL:
+            if type(event) in (ChunkWithdrawn, ChunkAbandoned, ClaimGranted):
+                raise IllegalEvent(f"{type(event).__name__} after the session ended")
             return []
+        return on(self, event)
+
+    def _pending(self, chunk: int, what: str) -> Chunk:
+        c = self.chunks.get(chunk)
+        if c is None or c.ok is not None:
+            raise IllegalEvent(f"{what} for chunk {chunk}, which is not in flight")
+        return c
+
+    def _on_start(self, e: Start) -> list:
+        if self.state != State.CREATED:
+            raise IllegalEvent("Start twice")
         if self.p.resident >= self.p.total:
             self.state = State.RUNNING
             return self._maybe_finish()
         self.state = State.QUERYING
         return [Query(self.p.resident)]
 
-    def query_done(self, hits: int, now: float) -> list:
+    def _on_query_done(self, e: QueryDone) -> list:
         if self.state != State.QUERYING:
-            return []
-        self.target = min(self.p.total, self.p.resident + max(hits, 0))
+            raise IllegalEvent(f"QueryDone in state {self.state.value}")
+        self.target = min(self.p.total, self.p.resident + max(e.hits, 0))
         self.state = State.RUNNING
         if self.target == self.p.resident and not self.sealed:
             self._seal(Status.NO_HIT)
-        if self.p.deadline is not None and now >= self.p.deadline:
+        if self.p.deadline is not None and e.now >= self.p.deadline:
             self._seal(Status.TIMEOUT, "deadline")
         return self._advance()
 
-    def claim_granted(self, chunk: int, granted: int, now: float) -> list:
+    def _on_claim_granted(self, e: ClaimGranted) -> list:
         """The executor reserved only ``granted`` of the claimed blocks (a limit): shrink, stop claiming."""
-        c = self.chunks.get(chunk)
-        if c is None or c.ok is not None or granted >= c.count:
-            return []
-        if granted <= 0:
-            del self.chunks[chunk]
+        c = self._pending(e.chunk, "ClaimGranted")
+        if not 0 <= e.granted < c.count:
+            raise IllegalEvent(f"ClaimGranted {e.granted} of a {c.count}-block claim")
+        if e.granted == 0:
+            del self.chunks[e.chunk]
             self.next_pos = c.start
         else:
-            c.count = granted
-            self.next_pos = c.start + granted
+            c.count = e.granted
+            self.next_pos = c.start + e.granted
         self.target = self.next_pos
         self._seal(Status.FAILED, "limit")  # over a budget: stop claiming, end with what it has
         return self._advance()
 
-    def chunk_done(self, chunk: int, ok: list, now: float) -> list:
-        c = self.chunks.get(chunk)
-        if c is None or c.ok is not None:
-            return []
-        if len(ok) != c.count:
-            raise ValueError(f"chunk {chunk}: {len(ok)} results for {c.count} blocks")
-        c.ok = list(ok)
-        if self.p.deadline is not None and now >= self.p.deadline:
+    def _on_chunk_done(self, e: ChunkDone) -> list:
+        c = self._pending(e.chunk, "ChunkDone")
+        if len(e.ok) != c.count:
+            raise IllegalEvent(f"chunk {e.chunk}: {len(e.ok)} results for {c.count} blocks")
+        c.ok = list(e.ok)
+        if self.p.deadline is not None and e.now >= self.p.deadline:
             self._seal(Status.TIMEOUT, "deadline")
         return self._advance()
 
-    def chunk_cancelled(self, chunk: int, now: float) -> list:
-        """After a stop: a claimed chunk whose read never started was withdrawn from the sender.
+    def _on_withdrawn(self, e) -> list:
+        """After a stop: a chunk whose read never started was withdrawn from the sender, or one
+        still in flight was left behind when the drain budget ran out (the executor keeps its
+        blocks staging until the read really ends).  Either way its positions are not part of
+        the result.  Only legal once sealed."""
+        self._pending(e.chunk, type(e).__name__)
+        if not self.sealed:
+            raise IllegalEvent(f"{type(e).__name__} before the session was sealed")
+        del self.chunks[e.chunk]
+        return self._advance()
 
-        Only legal once sealed (the executor cancels only then).  Its positions are simply
-        not part of the result; nothing was read, so nothing needs draining.
-        """
-        c = self.chunks.get(chunk)
-        if c is None or c.ok is not None or not self.sealed:
-            return []
-        del self.chunks[chunk]
+    def _on_demand(self, e: Demand) -> list:
+        if self.p.policy != Policy.BEST_EFFORT:
+            return []  # demand is a normal engine event; only best_effort stops on it
+        self._seal(Status.DEMANDED, "demand")
+        return self._advance()
+
+    def _on_tick(self, e: Tick) -> list:
+        if self.state == State.CREATED or self.p.deadline is None or e.now < self.p.deadline:
+            return []  # a timer may fire early or for a session without a deadline
+        self._seal(Status.TIMEOUT, "deadline")
+        return self._advance()
+
+    def _on_abort(self, e: Abort) -> list:
+        self._seal(Status.ABORTED, "abort")
+        self.status, self.reason = Status.ABORTED, "abort"  # abort wins over an earlier trigger
+        if self.state == State.CREATED:
+            self.state = State.RUNNING
         return self._advance()
 
     def chunk_pending(self, chunk: int) -> bool:
@@ -273,34 +369,6 @@ class Session:
         c = self.chunks.get(chunk)
         return c is not None and c.ok is None
 
-    def chunk_abandoned(self, chunk: int, now: float) -> list:
-        """After a stop: the executor stopped waiting for a chunk still in flight (its drain
-        budget ran out).  Like a withdrawn chunk its positions are not part of the result;
-        the executor keeps its blocks staging until the read really ends.  Only legal once
-        sealed and while the chunk is unresolved."""
-        c = self.chunks.get(chunk)
-        if c is None or c.ok is not None or not self.sealed:
-            raise ValueError(f"chunk {chunk} cannot be abandoned (unknown, resolved, or not sealed)")
-        del self.chunks[chunk]
-        return self._advance()
-
-    def demand(self, now: float) -> list:
-        if self.state == State.TERMINAL or self.p.policy != Policy.BEST_EFFORT:
-            return []
-        self._seal(Status.DEMANDED, "demand")
-        return self._advance()
-
-    def tick(self, now: float) -> list:
-        if self.state in (State.TERMINAL, State.CREATED) or self.p.deadline is None or now < self.p.deadline:
-            return []
-        self._seal(Status.TIMEOUT, "deadline")
-        return self._advance()
-
-    def abort(self, now: float) -> list:
-        if self.state == State.TERMINAL:
-            return []
-        self._seal(Status.ABORTED, "abort")
-        self.status, self.reason = Status.ABORTED, "abort"  # abort wins over an earlier trigger
-        if self.state == State.CREATED:
-            self.state = State.RUNNING
-        return self._advance()
+    _HANDLERS = {Start: _on_start, QueryDone: _on_query_done, ClaimGranted: _on_claim_granted,
+                 ChunkDone: _on_chunk_done, ChunkWithdrawn: _on_withdrawn, ChunkAbandoned: _on_withdrawn,
+                 Demand: _on_demand, Tick: _on_tick, Abort: _on_abort}

@@ -31,7 +31,8 @@ from .core import KVCore
 from .index import KEY, pack_ids
 from .l3.tier import L3Tier
 from .server import OpError
-from .session import Claim, Drop, Finish, Params, Policy, Publish, Query, Session, State
+from .session import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
+                      Params, Policy, Publish, Query, QueryDone, Session, Start, State, Tick)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ChunkIO:
     read_ok: dict | None = None  # position -> bool once our read completed
     reading: bool = False
     job: object = None  # the read lane job (cancellable until it starts)
+    t0: float = 0.0  # when the claim was carried out (chunk time = claim -> data landed)
 
 
 @dataclasses.dataclass
@@ -67,6 +69,7 @@ class Record:
     chunks: dict = dataclasses.field(default_factory=dict)
     result_lease: object = None
     trigger_at: float | None = None
+    trigger: str = ""  # what stopped it first: demand | deadline | abort
     sealed_at: float | None = None
     terminal_at: float | None = None
     chunk_times: list = dataclasses.field(default_factory=list)  # claim -> data landed (incl. lane queue)
@@ -147,8 +150,8 @@ class SessionManager:
         self.by_id[rec.id] = rec
         self.counters[f"started_{policy.value}"] += 1
         if deadline is not None:
-            self.sidecar.call_at(deadline, self._feed, rec.id, "tick")
-        self._run(rec, rec.machine.start(now))
+            self.sidecar.call_at(deadline, self._deadline_due, rec.id)
+        self._run(rec, rec.machine.handle(Start(now)))
         return self._view(rec)
 
     def op_demand(self, conn, msg) -> dict:
@@ -157,7 +160,7 @@ class SessionManager:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         self._trigger(rec, "demand")
         rec.demanded = True
-        self._run(rec, rec.machine.demand(time.monotonic()))
+        self._run(rec, rec.machine.handle(Demand(time.monotonic())))
         return self._view(rec)
 
     def op_abort(self, conn, msg) -> dict:
@@ -165,7 +168,7 @@ class SessionManager:
         if rec is None:
             return {"state": "unknown"}  # idempotent: nothing to abort
         self._trigger(rec, "abort")
-        self._run(rec, rec.machine.abort(time.monotonic()))
+        self._run(rec, rec.machine.handle(Abort(time.monotonic())))
         if rec.result_lease is not None:  # the request left: its result is not needed
             self.core.leases.drop(rec.result_lease, "aborted")
             rec.result_lease = None
@@ -200,23 +203,25 @@ class SessionManager:
             rec.trigger_at = time.monotonic()
             rec.trigger = why
 
-    def _feed(self, sid: int, event: str, *args) -> None:
+    def _deadline_due(self, sid: int) -> None:
         rec = self.by_id.get(sid)
-        if rec is None:
-            return
-        now = time.monotonic()
-        m = rec.machine
-        if event == "tick":
-            if m.state != State.TERMINAL:
-                self._trigger(rec, "deadline")
-            actions = m.tick(now)
-        elif event == "query":
-            actions = m.query_done(args[0], now)
-        elif event == "chunk":
-            actions = m.chunk_done(args[0], args[1], now)
-        else:
-            raise ValueError(event)
-        self._run(rec, actions)
+        if rec is not None and rec.machine.state != State.TERMINAL:
+            self._trigger(rec, "deadline")
+        self._feed(sid, Tick(time.monotonic()))
+
+    def _query_done(self, sid: int, hits: int) -> None:
+        self._feed(sid, QueryDone(hits, time.monotonic()))
+
+    def _chunk_done(self, sid: int, chunk: int, ok: tuple) -> None:
+        rec = self.by_id.get(sid)
+        if rec is not None and chunk in rec.chunks:  # (not left behind by the drain budget meanwhile)
+            self._feed(sid, ChunkDone(chunk, ok, time.monotonic()))
+
+    def _feed(self, sid: int, event) -> None:
+        """One event into a session's machine (a forgotten session ignores it)."""
+        rec = self.by_id.get(sid)
+        if rec is not None:
+            self._run(rec, rec.machine.handle(event))
 
     def _run(self, rec: Record, actions: list) -> None:
         """Carry out actions; executing one may produce more (e.g. a limit shrinks a claim)."""
@@ -266,7 +271,7 @@ class SessionManager:
                 io.own_blocks.clear()
             rec.abandoned += 1
             self.counters["chunks_abandoned"] += 1
-            actions += rec.machine.chunk_abandoned(chunk, now)
+            actions += rec.machine.handle(ChunkAbandoned(chunk, now))
         if rec.abandoned:
             log.warning("session %d: drain budget ran out, %d chunk(s) still in flight left behind",
                         rec.id, rec.abandoned)
@@ -331,14 +336,14 @@ class SessionManager:
                     self.index.unpin(pack_ids([rec.pins.pop(pos)]))
             del rec.chunks[chunk]
             self.counters["chunks_withdrawn"] += 1
-            out += rec.machine.chunk_cancelled(chunk, time.monotonic())
+            out += rec.machine.handle(ChunkWithdrawn(chunk, time.monotonic()))
         return out
 
     def _query(self, rec: Record, a: Query) -> None:
         if self.tier is None:
-            self.sidecar.post(self._feed, rec.id, "query", 0)
+            self.sidecar.post(self._query_done, rec.id, 0)
             return
-        self.tier.lookup(rec.ns, rec.chain[a.start * KEY:], lambda hits: self._feed(rec.id, "query", hits))
+        self.tier.lookup(rec.ns, rec.chain[a.start * KEY:], lambda hits: self._query_done(rec.id, hits))
 
     def _claim(self, rec: Record, a: Claim) -> list:
         idx, core = self.index, self.core
@@ -376,7 +381,7 @@ class SessionManager:
         extra = []
         if granted < a.count:
             self.counters["claims_limited"] += 1
-            extra = rec.machine.claim_granted(a.chunk, granted, time.monotonic())
+            extra = rec.machine.handle(ClaimGranted(a.chunk, granted, time.monotonic()))
             if granted == 0:
                 return extra
         io = ChunkIO(a.start, granted, kinds, {}, {})
@@ -402,14 +407,16 @@ class SessionManager:
             io.reading = True
             keys = b"".join(rec.chain[p * KEY:(p + 1) * KEY] for p in own_positions)
             io.job = self.tier.load(rec.ns, keys, pack_ids(blocks),
-                                    lambda ok, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, ok),
+                                    lambda result, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, result),
                                     priority=0 if rec.demanded else 1)
         else:
             io.read_ok = {}
             self._maybe_chunk_done(rec, a.chunk)
         return extra
 
-    def _read_done(self, sid: int, chunk: int, ok: list) -> None:
+    def _read_done(self, sid: int, chunk: int, result) -> None:
+        """A chunk's L3 read ended (``result``: per-block success and its own timing)."""
+        ok = result.ok
         orphan = self.orphans.pop((sid, chunk), None)
         if orphan is not None:
             self._resolve_orphan(orphan, ok)
@@ -420,7 +427,7 @@ class SessionManager:
             return
         io.reading = False
         io.read_ok = dict(zip(sorted(io.own_blocks), ok))
-        rec.transfer_times.append(self.tier.last_read_ms)
+        rec.transfer_times.append(result.seconds * 1e3)
         self._maybe_chunk_done(rec, chunk)
 
     def _key_resolved(self, key: bytes, published: bool) -> None:
@@ -446,7 +453,7 @@ class SessionManager:
             ok.append(True if kind == "have" else io.shared_ok[pos] if kind == "shared" else io.read_ok[pos])
         rec.chunk_times.append((time.monotonic() - io.t0) * 1e3)
         # deliver as an event so it is never re-entered from inside a claim
-        self.sidecar.post(self._feed, rec.id, "chunk", chunk, ok)
+        self.sidecar.post(self._chunk_done, rec.id, chunk, tuple(ok))
 
     def _publish(self, rec: Record, a: Publish) -> None:
         io = rec.chunks[a.chunk]
@@ -494,7 +501,7 @@ class SessionManager:
         self.counters[f"terminal_{a.status.value}"] += 1
         self.counters["restored_blocks"] += rec.restored
         if rec.trigger_at is not None:
-            self.stop_ms[getattr(rec, "trigger", "other")].append((now - rec.trigger_at) * 1e3)
+            self.stop_ms[rec.trigger or "other"].append((now - rec.trigger_at) * 1e3)
         if rec.sealed_at is not None:
             self.drain_ms.append((now - rec.sealed_at) * 1e3)
         self.sidecar.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
@@ -526,7 +533,7 @@ class SessionManager:
         for rec in list(self.records.values()):
             if rec.key[0] == group:
                 self._trigger(rec, "abort")
-                self._run(rec, rec.machine.abort(time.monotonic()))
+                self._run(rec, rec.machine.handle(Abort(time.monotonic())))
                 if rec.result_lease is not None:
                     self.core.leases.drop(rec.result_lease, "client_gone")
                     rec.result_lease = None

@@ -9,6 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.session import (
+    Abort,
+    ChunkAbandoned,
+    ChunkDone,
+    ChunkWithdrawn,
+    ClaimGranted,
+    Demand,
+    IllegalEvent,
+    QueryDone,
+    Start,
+    Tick,
     Claim,
     Drop,
     Finish,
@@ -37,127 +47,127 @@ def finish(actions):
 
 def test_whole_span_complete_in_window_order():
     s = mk(chunk=4)
-    assert s.start(0) == [Query(0)]
-    a = s.query_done(10, 0)
+    assert s.handle(Start(0)) == [Query(0)]
+    a = s.handle(QueryDone(10, 0))
     assert claims(a) == [Claim(0, 0, 4), Claim(1, 4, 4)]  # window of 2
-    a = s.chunk_done(1, [True] * 4, 1)  # out of order: waits for chunk 0
+    a = s.handle(ChunkDone(1, [True] * 4, 1))  # out of order: waits for chunk 0
     assert not [x for x in a if isinstance(x, Publish)] and claims(a) == [Claim(2, 8, 2)]
-    a = s.chunk_done(0, [True] * 4, 2)
+    a = s.handle(ChunkDone(0, [True] * 4, 2))
     assert [x for x in a if isinstance(x, Publish)] == [Publish(0, 4), Publish(1, 4)]
-    a = s.chunk_done(2, [True, True], 3)
+    a = s.handle(ChunkDone(2, [True, True], 3))
     assert a == [Publish(2, 2), Finish(Status.COMPLETE, 10, "")]
     assert s.state == State.TERMINAL and s.in_flight == 0
 
 
 def test_wait_complete_is_one_graph_and_ignores_demand_and_deadline():
     s = mk(Policy.WAIT_COMPLETE, total=100, resident=10, chunk=3, deadline=1.0)
-    s.start(0)
-    a = s.query_done(90, 0)
+    s.handle(Start(0))
+    a = s.handle(QueryDone(90, 0))
     assert claims(a) == [Claim(0, 10, 90)]
-    assert s.demand(0.5) == [] and s.tick(5.0) == []
-    a = s.chunk_done(0, [True] * 90, 6.0)
+    assert s.handle(Demand(0.5)) == [] and s.handle(Tick(5.0)) == []
+    a = s.handle(ChunkDone(0, [True] * 90, 6.0))
     assert finish(a) == Finish(Status.COMPLETE, 100, "")
 
 
 def test_one_graph_timeout_when_chunk_covers_span():
     s = mk(Policy.TIMEOUT, total=20, chunk=64, deadline=10.0)
-    s.start(0)
-    assert claims(s.query_done(20, 0)) == [Claim(0, 0, 20)]
+    s.handle(Start(0))
+    assert claims(s.handle(QueryDone(20, 0))) == [Claim(0, 0, 20)]
 
 
 @pytest.mark.parametrize("when", ["querying", "running_first", "running_later"])
 def test_deadline_bounds_claims_not_the_drain(when):
     s = mk(total=12, chunk=3, deadline=1.0)
-    s.start(0)
+    s.handle(Start(0))
     if when == "querying":
-        a = s.tick(1.0)
+        a = s.handle(Tick(1.0))
         assert finish(a) == Finish(Status.TIMEOUT, 0, "deadline")
-        assert s.query_done(12, 1.1) == []  # late answer ignored
+        assert s.handle(QueryDone(12, 1.1)) == []  # late answer ignored
         return
-    s.query_done(12, 0.1)  # claims chunks 0 and 1
+    s.handle(QueryDone(12, 0.1))  # claims chunks 0 and 1
     if when == "running_later":
-        s.chunk_done(0, [True] * 3, 0.5)  # publishes 3, claims chunk 2
-    a = s.tick(1.0)
+        s.handle(ChunkDone(0, [True] * 3, 0.5))  # publishes 3, claims chunk 2
+    a = s.handle(Tick(1.0))
     assert claims(a) == [] and s.state == State.DRAINING
     assert finish(a) is None  # in-flight chunks drain first
     rest = sorted(c.id for c in s.chunks.values())
     out = []
     for cid in rest:
-        out += s.chunk_done(cid, [True] * 3, 1.2)
+        out += s.handle(ChunkDone(cid, [True] * 3, 1.2))
     f = finish(out)
     assert f.status == Status.TIMEOUT and f.prefix == (9 if when == "running_later" else 6)
 
 
 def test_deadline_reached_at_query_answer():
     s = mk(total=12, chunk=3, deadline=1.0)
-    s.start(0)
-    a = s.query_done(12, 1.5)
+    s.handle(Start(0))
+    a = s.handle(QueryDone(12, 1.5))
     assert finish(a) == Finish(Status.TIMEOUT, 0, "deadline") and not claims(a)
 
 
 @pytest.mark.parametrize("state", ["querying", "running", "draining"])
 def test_best_effort_stops_on_demand(state):
     s = mk(Policy.BEST_EFFORT, total=12, chunk=3)
-    s.start(0)
+    s.handle(Start(0))
     if state == "querying":
-        assert finish(s.demand(0)) == Finish(Status.DEMANDED, 0, "demand")
+        assert finish(s.handle(Demand(0))) == Finish(Status.DEMANDED, 0, "demand")
         return
-    s.query_done(12, 0)
+    s.handle(QueryDone(12, 0))
     if state == "draining":
-        s.tick(0)  # no deadline: nothing happens
-        s.demand(0)
+        s.handle(Tick(0))  # no deadline: nothing happens
+        s.handle(Demand(0))
         assert s.state == State.DRAINING
-        assert s.demand(0) == []  # a second demand changes nothing
+        assert s.handle(Demand(0)) == []  # a second demand changes nothing
     else:
-        a = s.demand(0)
+        a = s.handle(Demand(0))
         assert s.state == State.DRAINING and not claims(a)
-    out = s.chunk_done(0, [True] * 3, 1) + s.chunk_done(1, [True] * 3, 1)
+    out = s.handle(ChunkDone(0, [True] * 3, 1)) + s.handle(ChunkDone(1, [True] * 3, 1))
     assert finish(out) == Finish(Status.DEMANDED, 6, "demand")
 
 
 def test_best_effort_completes_when_never_demanded():
     s = mk(Policy.BEST_EFFORT, total=6, chunk=3)
-    s.start(0)
-    s.query_done(6, 0)
-    out = s.chunk_done(0, [True] * 3, 1) + s.chunk_done(1, [True] * 3, 1)
+    s.handle(Start(0))
+    s.handle(QueryDone(6, 0))
+    out = s.handle(ChunkDone(0, [True] * 3, 1)) + s.handle(ChunkDone(1, [True] * 3, 1))
     assert finish(out) == Finish(Status.COMPLETE, 6, "")
 
 
 def test_timeout_ignores_demand():
     s = mk(total=6, chunk=3, deadline=5)
-    s.start(0)
-    s.query_done(6, 0)
-    assert s.demand(1) == []
+    s.handle(Start(0))
+    s.handle(QueryDone(6, 0))
+    assert s.handle(Demand(1)) == []
 
 
 @pytest.mark.parametrize("state", ["created", "querying", "running", "draining", "terminal"])
 def test_abort_in_every_state(state):
     s = mk(total=9, chunk=3, deadline=1.0)
     if state == "created":
-        f = finish(s.abort(0))
+        f = finish(s.handle(Abort(0)))
         assert f == Finish(Status.ABORTED, 0, "abort")
         return
-    s.start(0)
+    s.handle(Start(0))
     if state == "querying":
-        assert finish(s.abort(0)) == Finish(Status.ABORTED, 0, "abort")
+        assert finish(s.handle(Abort(0))) == Finish(Status.ABORTED, 0, "abort")
         return
-    s.query_done(9, 0)
+    s.handle(QueryDone(9, 0))
     if state == "draining":
-        s.tick(1.0)
+        s.handle(Tick(1.0))
         assert s.state == State.DRAINING
     if state == "terminal":
         for cid in (0, 1):
-            s.chunk_done(cid, [True] * 3, 0.5)
-        s.chunk_done(2, [True] * 3, 0.6)
+            s.handle(ChunkDone(cid, [True] * 3, 0.5))
+        s.handle(ChunkDone(2, [True] * 3, 0.6))
         assert s.state == State.TERMINAL
-        assert s.abort(1) == []  # exactly once: no second Finish
+        assert s.handle(Abort(1)) == []  # exactly once: no second Finish
         return
-    a = s.abort(0.5)
+    a = s.handle(Abort(0.5))
     assert finish(a) is None and s.state == State.DRAINING  # in-flight reads drain first
-    out = s.chunk_done(1, [True] * 3, 0.6) + s.chunk_done(0, [True] * 3, 0.7)
+    out = s.handle(ChunkDone(1, [True] * 3, 0.6)) + s.handle(ChunkDone(0, [True] * 3, 0.7))
     f = finish(out)
     assert f.status == Status.ABORTED and f.prefix == 6
-    assert s.abort(1) == [] and s.chunk_done(0, [True] * 3, 1) == []
+    assert s.handle(Abort(1)) == [] and s.handle(ChunkDone(0, [True] * 3, 1)) == []
 
 
 @pytest.mark.parametrize("where,expect_prefix,dropped", [
@@ -167,8 +177,8 @@ def test_abort_in_every_state(state):
 ])
 def test_chunk_failure_cuts_the_prefix(where, expect_prefix, dropped):
     s = mk(total=9, chunk=5, window=2)
-    s.start(0)
-    s.query_done(9, 0)  # chunks [0,5) and [5,9)
+    s.handle(Start(0))
+    s.handle(QueryDone(9, 0))  # chunks [0,5) and [5,9)
     ok0 = [True] * 5
     ok1 = [True] * 4
     if where == "first":
@@ -177,7 +187,7 @@ def test_chunk_failure_cuts_the_prefix(where, expect_prefix, dropped):
         ok0[4] = False
     else:
         ok1[3] = False
-    out = s.chunk_done(1, ok1, 1) + s.chunk_done(0, ok0, 2)
+    out = s.handle(ChunkDone(1, ok1, 1)) + s.handle(ChunkDone(0, ok0, 2))
     f = finish(out)
     assert f.status == Status.FAILED and f.prefix == expect_prefix
     assert {(d.chunk, d.offset) for d in out if isinstance(d, Drop)} == dropped
@@ -185,44 +195,45 @@ def test_chunk_failure_cuts_the_prefix(where, expect_prefix, dropped):
 
 def test_withdrawn_chunk_after_seal_is_not_drained():
     s = mk(total=12, chunk=4, deadline=1.0)
-    s.start(0)
-    s.query_done(12, 0)  # chunks 0 and 1 claimed
-    assert s.chunk_cancelled(1, 0.5) == []  # not sealed yet: refused
-    s.tick(1.0)
-    assert s.chunk_cancelled(1, 1.0) == []  # chunk 0 still in flight
-    out = s.chunk_done(0, [True] * 4, 1.1)
+    s.handle(Start(0))
+    s.handle(QueryDone(12, 0))  # chunks 0 and 1 claimed
+    with pytest.raises(IllegalEvent):
+        s.handle(ChunkWithdrawn(1, 0.5))  # not sealed yet: refused
+    s.handle(Tick(1.0))
+    assert s.handle(ChunkWithdrawn(1, 1.0)) == []  # chunk 0 still in flight
+    out = s.handle(ChunkDone(0, [True] * 4, 1.1))
     assert finish(out) == Finish(Status.TIMEOUT, 4, "deadline")
 
 
 def test_no_hit_and_fully_resident():
     s = mk(total=5, resident=2)
-    s.start(0)
-    assert finish(s.query_done(0, 0)) == Finish(Status.NO_HIT, 2, "")
+    s.handle(Start(0))
+    assert finish(s.handle(QueryDone(0, 0))) == Finish(Status.NO_HIT, 2, "")
     s2 = mk(total=5, resident=5)
-    assert finish(s2.start(0)) == Finish(Status.COMPLETE, 5, "")
+    assert finish(s2.handle(Start(0))) == Finish(Status.COMPLETE, 5, "")
 
 
 def test_limit_shrinks_claim_and_stops():
     s = mk(total=12, chunk=4, window=2)
-    s.start(0)
-    s.query_done(12, 0)
-    a = s.claim_granted(1, 2, 0)
+    s.handle(Start(0))
+    s.handle(QueryDone(12, 0))
+    a = s.handle(ClaimGranted(1, 2, 0))
     assert s.sealed and s.reason == "limit" and not claims(a)
-    out = s.chunk_done(0, [True] * 4, 1) + s.chunk_done(1, [True] * 2, 1)
+    out = s.handle(ChunkDone(0, [True] * 4, 1)) + s.handle(ChunkDone(1, [True] * 2, 1))
     assert finish(out) == Finish(Status.FAILED, 6, "limit")
 
 
 def test_checkpoints_bound_the_published_prefix():
     s = mk(total=10, chunk=10, checkpoint_every=4)
-    s.start(0)
-    s.query_done(10, 0)
-    assert finish(s.chunk_done(0, [True] * 10, 1)).prefix == 8
+    s.handle(Start(0))
+    s.handle(QueryDone(10, 0))
+    assert finish(s.handle(ChunkDone(0, [True] * 10, 1))).prefix == 8
     s = mk(total=10, chunk=10, checkpoints=frozenset({2, 6}))
-    s.start(0)
-    s.query_done(10, 0)
+    s.handle(Start(0))
+    s.handle(QueryDone(10, 0))
     ok = [True] * 10
     ok[6] = False
-    assert finish(s.chunk_done(0, ok, 1)).prefix == 3  # block 6 failed: last checkpoint ends at 3
+    assert finish(s.handle(ChunkDone(0, ok, 1))).prefix == 3  # block 6 failed: last checkpoint ends at 3
 
 
 @settings(max_examples=400, deadline=None)
@@ -261,7 +272,7 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
                 assert a.prefix <= published_to
                 assert not ckpt or a.prefix % ckpt == 0
 
-    apply(s.start(now))
+    apply(s.handle(Start(now)))
     queried = False
     for _ in range(200):
         if s.state == State.TERMINAL:
@@ -270,7 +281,7 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
         r = rng.random()
         if s.state == State.QUERYING and (r < 0.5 or not queried):
             queried = True
-            apply(s.query_done(rng.randint(0, total), now))
+            apply(s.handle(QueryDone(rng.randint(0, total), now)))
         elif r < 0.55:
             pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
             if pending:
@@ -278,38 +289,87 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
                 start, count, _ = in_flight[cid]
                 ok = [rng.random() > 0.1 for _ in range(count)]
                 in_flight[cid] = (start, count, ok)
-                apply(s.chunk_done(cid, ok, now))
+                apply(s.handle(ChunkDone(cid, ok, now)))
         elif r < 0.65:
-            apply(s.demand(now))
+            apply(s.handle(Demand(now)))
         elif r < 0.75:
-            apply(s.tick(now))
+            apply(s.handle(Tick(now)))
         elif r < 0.78:
-            apply(s.abort(now))
+            apply(s.handle(Abort(now)))
         elif r < 0.79 and s.sealed:
             pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
             if pending:
                 cid = rng.choice(pending)
-                apply(s.chunk_cancelled(cid, now))
+                apply(s.handle(ChunkWithdrawn(cid, now)))
                 del in_flight[cid]
         elif r < 0.8:
             pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
             if pending:
                 cid = pending[-1]
-                apply(s.claim_granted(cid, rng.randint(0, in_flight[cid][1]), now))
+                apply(s.handle(ClaimGranted(cid, rng.randint(0, in_flight[cid][1] - 1), now)))
                 if cid not in s.chunks:
                     del in_flight[cid]
                 else:
                     in_flight[cid] = (in_flight[cid][0], s.chunks[cid].count, None)
     # drive to the end: answer everything still in flight
     if s.state == State.QUERYING:
-        apply(s.query_done(0, now))
+        apply(s.handle(QueryDone(0, now)))
     for cid in list(in_flight):
         if in_flight[cid][2] is None and cid not in resolved:
             start, count, _ = in_flight[cid]
             ok = [True] * count
             in_flight[cid] = (start, count, ok)
-            apply(s.chunk_done(cid, ok, now))
+            apply(s.handle(ChunkDone(cid, ok, now)))
     if s.state != State.TERMINAL:
-        apply(s.abort(now))
+        apply(s.handle(Abort(now)))
     assert s.state == State.TERMINAL and len(finishes) == 1 and s.in_flight == 0
     assert all(cid in resolved for cid, v in in_flight.items() if v[2] is not None)
+
+
+def test_illegal_events_raise_and_late_ones_are_ignored():
+    s = mk(total=8, chunk=4, deadline=10.0)
+    with pytest.raises(IllegalEvent):
+        s.handle(QueryDone(8, 0))  # before Start
+    s.handle(Start(0))
+    with pytest.raises(IllegalEvent):
+        s.handle(Start(0))  # twice
+    with pytest.raises(IllegalEvent):
+        s.handle(ChunkDone(0, (True,) * 4, 0))  # nothing claimed yet
+    s.handle(QueryDone(8, 0))  # claims chunks 0 and 1
+    with pytest.raises(IllegalEvent):
+        s.handle(QueryDone(8, 0))  # a second answer
+    with pytest.raises(IllegalEvent):
+        s.handle(ChunkDone(7, (True,) * 4, 0))  # never claimed
+    with pytest.raises(IllegalEvent):
+        s.handle(ChunkDone(0, (True,) * 3, 0))  # wrong length
+    with pytest.raises(IllegalEvent):
+        s.handle(ClaimGranted(0, 4, 0))  # granting all of it is not a shrink
+    with pytest.raises(IllegalEvent):
+        s.handle(ChunkAbandoned(0, 0))  # not sealed
+    with pytest.raises(IllegalEvent):
+        s.handle("tick")  # not an event
+    s.handle(ChunkDone(0, (True,) * 4, 1))
+    with pytest.raises(IllegalEvent):
+        s.handle(ChunkDone(0, (True,) * 4, 1))  # resolved already
+    out = s.handle(Abort(2))  # chunk 1 still in flight: drains
+    assert finish(out) is None and s.state == State.DRAINING
+    out = s.handle(ChunkAbandoned(1, 3))  # the drain budget ran out
+    assert finish(out) == Finish(Status.ABORTED, 4, "abort")
+    # after the end: late answers and repeated triggers are ignored, bookkeeping events are bugs
+    assert s.handle(QueryDone(8, 4)) == [] and s.handle(Abort(4)) == [] and s.handle(Tick(20)) == []
+    assert s.handle(ChunkDone(1, (True,) * 4, 5)) == []
+    with pytest.raises(IllegalEvent):
+        s.handle(ChunkWithdrawn(1, 5))
+
+
+def test_abandoned_chunk_is_cut_from_the_result_like_a_withdrawn_one():
+    s = mk(total=12, chunk=4, deadline=1.0)
+    s.handle(Start(0))
+    s.handle(QueryDone(12, 0))  # chunks 0 and 1
+    assert claims(s.handle(ChunkDone(1, (True,) * 4, 0.5))) == [Claim(2, 8, 4)]  # chunk 1 waits for 0
+    s.handle(Tick(1.0))  # sealed, chunks 0 and 2 still in flight
+    assert s.handle(ChunkAbandoned(0, 1.2)) == []  # chunk 2 is still in flight
+    out = s.handle(ChunkAbandoned(2, 1.3))
+    f = finish(out)
+    assert f == Finish(Status.TIMEOUT, 0, "deadline")
+    assert [d for d in out if isinstance(d, Drop)] == [Drop(1, 0)]  # chunk 1 cannot publish past the hole

@@ -9,6 +9,7 @@ the layout are in every key, so two namespaces or layouts never share an object.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 
@@ -17,6 +18,18 @@ from .base import L3Backend
 from .workers import Lane
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadResult:
+    """What one L3 read did: per-block success and how long the backend call took."""
+
+    ok: list
+    seconds: float
+
+    @property
+    def landed(self) -> int:
+        return sum(self.ok)
 
 
 class L3Tier:
@@ -29,7 +42,6 @@ class L3Tier:
         self.reader = Lane("l3-read", post)
         self.writer = Lane("l3-write", post)
         self.counters = collections.Counter()
-        self.last_read_ms = 0.0  # duration of the read whose completion is being delivered
         # running estimate of one block's read time (EWMA over successful reads; None until one)
         self.read_s_per_block: float | None = None
 
@@ -70,25 +82,25 @@ class L3Tier:
         self.meta.submit(lambda: self.backend.exists(keys), finish)
 
     def load(self, ns: str, chain: bytes, blocks: bytes, done, priority: int = 1):
-        """Read ``chain``'s blocks into pool ``blocks``; ``done(per_block_ok)``."""
+        """Read ``chain``'s blocks into pool ``blocks``; ``done(ReadResult)`` on the control thread."""
         keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), len(blocks) // 4
         size = self.block_bytes
 
         def work():
             t0 = time.monotonic()
-            return self.backend.read(keys, addrs, size), (time.monotonic() - t0) * 1e3
+            return ReadResult(list(self.backend.read(keys, addrs, size)), time.monotonic() - t0)
 
         def finish(result, error):
-            ok, ms = result if error is None and result is not None else ([False] * n, 0.0)
-            self.counters["read_blocks_ok"] += sum(ok)
-            self.counters["read_blocks_failed"] += n - sum(ok)
-            self.last_read_ms = ms
-            good = sum(ok)
+            if error is not None or result is None:
+                result = ReadResult([False] * n, 0.0)
+            good = result.landed
+            self.counters["read_blocks_ok"] += good
+            self.counters["read_blocks_failed"] += n - good
             if good:
-                sample = ms * 1e-3 / n
+                sample = result.seconds / n
                 prev = self.read_s_per_block
                 self.read_s_per_block = sample if prev is None else 0.8 * prev + 0.2 * sample
-            done(ok)
+            done(result)
 
         return self.reader.submit(work, finish, priority)
 
