@@ -15,9 +15,10 @@ from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
 from .decisions import DecisionBook
-from .index import KEY, PrefixIndex, unpack_ids
+from .index import PrefixIndex
 from .leases import LeaseError, LeaseTable
 from .server import OpError, Sidecar
+from .admission import PoolManager, Refusal
 from .staging import StagingTable
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,12 @@ class KVCore:
         self.limits = limits
         self.index = PrefixIndex(num_blocks, layout.block_bytes)
         self.leases = LeaseTable(self.index)
-        self.staging = StagingTable(self.index, self.leases)
-        self.decisions = DecisionBook(limits.decision_ttl_s)
         pool_bytes = num_blocks * layout.block_bytes
-        self.reserved_limit = limits.reserved_bytes_limit or pool_bytes
-        self.pinned_limit = limits.pinned_bytes_limit or pool_bytes
+        self.pool = PoolManager(self.index, self.leases,
+                                reserved_limit_bytes=limits.reserved_bytes_limit or pool_bytes,
+                                pinned_limit_bytes=limits.pinned_bytes_limit or pool_bytes)
+        self.staging = StagingTable(self.pool)
+        self.decisions = DecisionBook(limits.decision_ttl_s)
         self._reaper_due = float("inf")
         # Every holder of pins or staging outside the lease and staging tables (prefetch
         # sessions) registers here, so the books balance while they run: each provides
@@ -144,7 +146,7 @@ class KVCore:
                 return {"lease": 0, "blocks": b"", "count": 0}
             blocks = self.index.resident_ids(chain, n)
             new_pins = self.index.count_unpinned(blocks)
-            if (self.index.pinned + new_pins) * self.index.block_bytes > self.pinned_limit:
+            if not self.pool.pins_fit(new_pins):
                 raise OpError(ErrorCode.LIMIT, f"pinning {new_pins} more blocks exceeds pinned_bytes_limit")
             now = time.monotonic()
             self.index.touch(blocks)
@@ -175,44 +177,20 @@ class KVCore:
 
         def compute(grouped: bool) -> dict:
             chain = msg["chain"]
-            total = len(chain) // KEY
             start = self.index.match(chain)
-            # Blocks already being staged by someone else are not written twice: stop there.
-            end = start
-            while end < total and chain[end * KEY:(end + 1) * KEY] not in self.index.staging:
-                end += 1
-            want = end - start
-            if want == 0:
-                return {"staging": 0, "start": start, "count": 0, "blocks": b"", "resident": start}
-            room = (self.reserved_limit // self.index.block_bytes) - self.index.staged
-            want = min(want, max(room, 0))
-            if want == 0:
-                raise OpError(ErrorCode.LIMIT, "reserved_bytes_limit reached: no staging available")
             now = time.monotonic()
-            prefix_lease = None
-            parent = -1
-            if start:
-                prefix = self.index.resident_ids(chain, start)
-                parent = unpack_ids(prefix[-4:])[0]
-                prefix_lease = self.leases.new(prefix, ttl_s=self.limits.staging_ttl_s, now=now,
-                                               kind="store_prefix", owner=("store", conn.info.group))
-            short = want - self.index.free
-            if short > 0:
-                self.index.evict(short)
-            blocks = self.index.alloc(want)
-            if not blocks:
-                if prefix_lease is not None:
-                    self.leases.drop(prefix_lease, "store_refused")
-                raise OpError(ErrorCode.LIMIT, "pool full: every block is pinned or staging")
+            plan = self.pool.prepare_stage(chain, start, None, "store", prefix_ttl_s=self.limits.staging_ttl_s,
+                                           owner=("store", conn.info.group), now=now)
+            if isinstance(plan, Refusal):
+                raise OpError(plan.code, plan.message)
+            if plan.count == 0:
+                return {"staging": 0, "start": start, "count": 0, "blocks": b"", "resident": start}
             writers = {r for r in range(conn.info.group_size) if self.layout.writes(r)} if grouped \
                 else {conn.info.rank}
-            count = len(blocks) // 4
-            st = self.staging.open(group=conn.info.group, chain=chain[start * KEY:(start + count) * KEY],
-                                   start=start, blocks=blocks, parent=parent, prefix_lease=prefix_lease,
-                                   writers=writers, ttl_s=self.limits.staging_ttl_s, now=now,
-                                   ns=msg.get("ns") or "", l3=bool(msg.get("l3")))
+            st = self.staging.open(plan, group=conn.info.group, writers=writers, ttl_s=self.limits.staging_ttl_s,
+                                   now=now, ns=msg.get("ns") or "", l3=bool(msg.get("l3")))
             self.arm_reaper(st.deadline)
-            return {"staging": st.id, "start": start, "count": count, "blocks": blocks, "resident": start}
+            return {"staging": st.id, "start": start, "count": plan.count, "blocks": plan.blocks, "resident": start}
 
         return self.decided(conn, "store", msg, compute)
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import time
 
-from shm.errors import ErrorCode
-
 from .core import KVCore
-from .index import KEY, unpack_ids
+from .admission import Refusal
+from .index import KEY
 from .l3.tier import L3Tier
 from .server import DEFERRED, OpError
 
@@ -76,39 +75,23 @@ class L3Ops:
 
     def _stage(self, conn, rid, chain, ns, queried_from, hits) -> None:
         core = self.core
-        index = core.index
-        start = index.match(chain)  # may have grown while L3 was queried
+        start = core.index.match(chain)  # may have grown while L3 was queried
         end = queried_from + hits
-        stop = start
-        while stop < end and chain[stop * KEY:(stop + 1) * KEY] not in index.staging:
-            stop += 1
-        want = stop - start
-        if want <= 0:
+        if end <= start:
             self.sidecar.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
             return
-        room = core.reserved_limit // index.block_bytes - index.staged
-        want = min(want, max(room, 0))
-        now = time.monotonic()
-        prefix_lease, parent = None, -1
-        if start:
-            prefix = index.resident_ids(chain, start)
-            parent = unpack_ids(prefix[-4:])[0]
-            prefix_lease = core.leases.new(prefix, ttl_s=float("inf"), now=now, kind="load_prefix",
-                                           owner=("load", rid))
-        short = want - index.free
-        if short > 0:
-            index.evict(short)
-        blocks = index.alloc(want) if want > 0 else b""
-        if not blocks:
-            if prefix_lease is not None:
-                core.leases.drop(prefix_lease, "load_refused")
-            self.sidecar.reply(conn, rid, error=(ErrorCode.LIMIT, "no staging room for the restore"))
+        plan = core.pool.prepare_stage(chain, start, end - start, "restore", prefix_ttl_s=float("inf"),
+                                       owner=("load", rid), now=time.monotonic())
+        if isinstance(plan, Refusal):
+            self.sidecar.reply(conn, rid, error=(plan.code, f"no staging room for the restore ({plan.message})"))
             return
-        count = len(blocks) // 4
-        st = core.staging.open(group="", chain=chain[start * KEY:(start + count) * KEY], start=start,
-                               blocks=blocks, parent=parent, prefix_lease=prefix_lease, writers=set(),
-                               ttl_s=None, now=now, ns=ns, source="l3")
+        if plan.count == 0:
+            self.sidecar.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
+            return
+        # no deadline: a block is never recycled while its read may be in flight
+        st = core.staging.open(plan, group="", writers=set(), ttl_s=None, now=time.monotonic(), ns=ns, source="l3")
         self.loads_in_flight += 1
+        count = plan.count
 
         def loaded(result):
             self.loads_in_flight -= 1
@@ -117,7 +100,7 @@ class L3Ops:
             self.sidecar.reply(conn, rid, {"restored": n, "resident": start + n, "l3_hits": hits,
                                            "failed": count - n})
 
-        self.tier.load(ns, st.chain, blocks, loaded)
+        self.tier.load(ns, st.chain, st.blocks, loaded)
 
 
 __all__ = ["L3Ops", "OpError"]

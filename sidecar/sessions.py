@@ -346,10 +346,9 @@ class SessionManager:
         self.tier.lookup(rec.ns, rec.chain[a.start * KEY:], lambda hits: self._query_done(rec.id, hits))
 
     def _claim(self, rec: Record, a: Claim) -> list:
-        idx, core = self.index, self.core
-        bb = idx.block_bytes
-        reserved_room = core.reserved_limit // bb - idx.staged
-        pinned_room = core.pinned_limit // bb - idx.pinned - self.outstanding_staging
+        idx, pool = self.index, self.core.pool
+        # our staged blocks become pins once published: pin admission counts them already
+        reserved_room, pinned_room = pool.headroom(pin_reserved=self.outstanding_staging)
         kinds, own_positions = [], []
         granted = 0
         for pos in range(a.start, a.start + a.count):
@@ -362,22 +361,22 @@ class SessionManager:
             else:
                 kind, need = "own", 1
             if kind == "own" and len(own_positions) + 1 > reserved_room:
+                pool.refuse("reserved", "session claim over reserved_bytes_limit")
                 break
             if len(own_positions) + need > pinned_room:
+                pool.refuse("pinned", "session claim over pinned_bytes_limit")
                 break
             if kind == "own":
                 own_positions.append(pos)
             kinds.append(kind)
             granted += 1
-        short = len(own_positions) - idx.free
-        if short > 0:
-            idx.evict(short)
-            if idx.free < len(own_positions):  # cannot make room: everything else is pinned
-                keep = idx.free
-                cut = own_positions[keep] - a.start if keep < len(own_positions) else granted
-                granted = min(granted, cut)
-                kinds = kinds[:granted]
-                own_positions = own_positions[:keep]
+        blocks = _unpack(pool.allocate(len(own_positions))) if own_positions else []
+        if len(blocks) < len(own_positions):  # cannot make room: everything else is pinned or staging
+            pool.refuse("allocator", "session claim: pool full")
+            keep = len(blocks)
+            granted = min(granted, own_positions[keep] - a.start)
+            kinds = kinds[:granted]
+            own_positions = own_positions[:keep]
         extra = []
         if granted < a.count:
             self.counters["claims_limited"] += 1
@@ -386,7 +385,6 @@ class SessionManager:
                 return extra
         io = ChunkIO(a.start, granted, kinds, {}, {})
         rec.chunks[a.chunk] = io
-        blocks = _unpack(idx.alloc(len(own_positions))) if own_positions else []
         for pos, b in zip(own_positions, blocks):
             io.own_blocks[pos] = b
             idx.stage(rec.chain[pos * KEY:(pos + 1) * KEY], b)

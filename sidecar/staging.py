@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from .admission import PoolManager, StagePlan
 from .deadlines import DeadlineHeap
-from .index import KEY, PrefixIndex, unpack_ids
-from .leases import Lease, LeaseTable
 
 STAGING_ID_BASE = 2 << 40
 
@@ -24,38 +23,45 @@ STAGING_ID_BASE = 2 << 40
 class Staging:
     id: int
     group: str
-    chain: bytes  # keys of the staged blocks only
-    start: int  # index in the caller's chain of the first staged block
-    blocks: bytes  # packed uint32 ids
-    parent: int  # resident block before the first staged one (-1: chain head)
-    prefix_lease: Lease | None
+    plan: StagePlan  # the staged blocks and the prefix lease (sidecar.admission)
     writers: set  # ranks that still have to commit
     deadline: float
     ns: str = ""
     l3: bool = False  # write to L3 after publication
     source: str = "engine"  # "engine" (ranks write it) or "l3" (an L3 read fills it)
 
+    @property
+    def chain(self) -> bytes:  # keys of the staged blocks only
+        return self.plan.chain
+
+    @property
+    def blocks(self) -> bytes:  # packed uint32 ids
+        return self.plan.blocks
+
+    @property
+    def start(self) -> int:  # chain position of the first staged block
+        return self.plan.start
+
+    @property
+    def count(self) -> int:
+        return self.plan.count
+
 
 class StagingTable:
-    def __init__(self, index: PrefixIndex, leases: LeaseTable):
-        self.index = index
-        self.leases = leases
+    def __init__(self, pool: PoolManager):
+        self.pool = pool
         self.records: dict[int, Staging] = {}
         self._ids = itertools.count(STAGING_ID_BASE)
         self._deadlines = DeadlineHeap(self.records, lambda st: st.deadline)
         self.published_blocks = 0
         self.aborted_blocks = 0
 
-    def open(self, *, group: str, chain: bytes, start: int, blocks: bytes, parent: int,
-             prefix_lease: Lease | None, writers: set, ttl_s: float | None, now: float, ns: str = "",
+    def open(self, plan: StagePlan, *, group: str, writers: set, ttl_s: float | None, now: float, ns: str = "",
              l3: bool = False, source: str = "engine") -> Staging:
-        """Open a record.  ``ttl_s=None``: no deadline — for L3 reads, whose blocks must never
-        be recycled while the read may still be in flight (only its completion ends it)."""
+        """A record over a prepared plan.  ``ttl_s=None``: no deadline — for L3 reads, whose blocks
+        must never be recycled while the read may still be in flight (only its completion ends it)."""
         deadline = float("inf") if ttl_s is None else now + ttl_s
-        st = Staging(next(self._ids), group, chain, start, blocks, parent, prefix_lease, set(writers),
-                     deadline, ns, l3, source)
-        for i, b in enumerate(unpack_ids(blocks)):
-            self.index.stage(chain[i * KEY:(i + 1) * KEY], b)
+        st = Staging(next(self._ids), group, plan, set(writers), deadline, ns, l3, source)
         self.records[st.id] = st
         self._deadlines.push(st.deadline, st.id)  # no deadline (inf) for L3 reads
         return st
@@ -66,23 +72,10 @@ class StagingTable:
         A failed block cuts the prefix there (later blocks would be a hole).  Returns how
         many blocks were published.
         """
-        n = 0
-        while n < len(ok) and ok[n]:
-            n += 1
         del self.records[st.id]
-        ids = unpack_ids(st.blocks)
-        parent = st.parent
-        for i, b in enumerate(ids):
-            key = st.chain[i * KEY:(i + 1) * KEY]
-            if i < n:
-                self.index.publish(key, b, parent)
-                parent = b
-            else:
-                self.index.drop_staging(key, b)
+        n = self.pool.complete(st.plan, ok)
         self.published_blocks += n
-        self.aborted_blocks += len(ids) - n
-        if st.prefix_lease is not None:
-            self.leases.drop(st.prefix_lease, "load_done")
+        self.aborted_blocks += st.count - n
         return n
 
     def commit(self, st: Staging, rank: int) -> bool:
@@ -90,28 +83,16 @@ class StagingTable:
         st.writers.discard(rank)
         if st.writers:
             return False
-        self._publish(st)
-        return True
-
-    def _publish(self, st: Staging) -> None:
         del self.records[st.id]
-        parent = st.parent
-        for i, b in enumerate(unpack_ids(st.blocks)):
-            key = st.chain[i * KEY:(i + 1) * KEY]
-            self.index.publish(key, b, parent)
-            parent = b
-        self.published_blocks += len(st.blocks) // 4
-        if st.prefix_lease is not None:
-            self.leases.drop(st.prefix_lease, "store_done")
+        self.pool.complete(st.plan, [True] * st.count)
+        self.published_blocks += st.count
+        return True
 
     def abort(self, st: Staging, reason: str) -> None:
         if self.records.pop(st.id, None) is None:
             return
-        for i, b in enumerate(unpack_ids(st.blocks)):
-            self.index.drop_staging(st.chain[i * KEY:(i + 1) * KEY], b)
-        self.aborted_blocks += len(st.blocks) // 4
-        if st.prefix_lease is not None:
-            self.leases.drop(st.prefix_lease, f"store_{reason}")
+        self.pool.abandon(st.plan, reason)
+        self.aborted_blocks += st.count
 
     def client_gone(self, group: str | None, rank: int) -> int:
         n = 0
@@ -142,4 +123,4 @@ class StagingTable:
         return {}  # its prefix pins are leases, counted by the lease table
 
     def staged_blocks(self) -> int:
-        return sum(len(st.blocks) // 4 for st in self.records.values())
+        return sum(st.count for st in self.records.values())

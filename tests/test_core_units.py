@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from shm.errors import ErrorCode
 from sidecar.index import PoolError, PrefixIndex, pack_ids, unpack_ids
 from sidecar.leases import LeaseError, LeaseTable
+from sidecar.admission import PoolManager, Refusal
 from sidecar.staging import StagingTable
 
 
@@ -21,8 +22,13 @@ def chain(prefix: str, n: int) -> bytes:
 def make(n=8):
     index = PrefixIndex(n, 100)
     leases = LeaseTable(index)
-    staging = StagingTable(index, leases)
-    return index, index, leases, staging
+    pool = PoolManager(index, leases, reserved_limit_bytes=n * 100, pinned_limit_bytes=n * 100)
+    staging = StagingTable(pool)
+    return pool, index, leases, staging
+
+
+def stage(pool, ch: bytes, *, now=0.0, ttl=10.0, limit=None):
+    return pool.prepare_stage(ch, pool.index.match(ch), limit, "store", prefix_ttl_s=ttl, owner=("store", "g"), now=now)
 
 
 def publish_chain(pool, index, ch: bytes, start_parent=-1):
@@ -117,23 +123,55 @@ def test_staging_publish_abort_and_writer_death():
     pool, index, leases, staging = make(8)
     c = chain("s", 4)
     head = publish_chain(pool, index, c[:16])
-    pl = leases.new(pack_ids(head), ttl_s=10, now=0, kind="store_prefix", owner=("store", "g"))
-    st = staging.open(group="g", chain=c[16:], start=1, blocks=index.alloc(3), parent=head[0], prefix_lease=pl,
-                      writers={0, 1}, ttl_s=10, now=0)
+    plan = stage(pool, c)
+    assert plan.start == 1 and plan.count == 3 and plan.parent == head[0] and plan.prefix_lease is not None
+    st = staging.open(plan, group="g", writers={0, 1}, ttl_s=10, now=0)
     assert index.match(c) == 1
     assert not staging.commit(st, 0)
     assert index.match(c) == 1  # not published until every writer committed
     assert staging.commit(st, 1)
-    assert index.match(c) == 4 and index.pinned == 0
-    st2 = staging.open(group="g", chain=chain("t", 2), start=0, blocks=index.alloc(2), parent=-1,
-                       prefix_lease=None, writers={0, 1}, ttl_s=10, now=0)
+    assert index.match(c) == 4 and index.pinned == 0  # the prefix lease went with the plan
+    st2 = staging.open(stage(pool, chain("t", 2)), group="g", writers={0, 1}, ttl_s=10, now=0)
     staging.commit(st2, 0)
     assert staging.client_gone("g", 1) == 1  # rank 1 died before committing: nothing published
     assert index.match(chain("t", 2)) == 0 and index.staged == 0
-    st3 = staging.open(group="g", chain=chain("u", 1), start=0, blocks=index.alloc(1), parent=-1,
-                       prefix_lease=None, writers={0}, ttl_s=1, now=0)
+    st3 = staging.open(stage(pool, chain("u", 1)), group="g", writers={0}, ttl_s=1, now=0)
     assert staging.reap(1.0) == 1 and st3.id not in staging.records
     assert index.check() == ""
+
+
+def test_pool_manager_prepare_complete_abandon():
+    pool, index, leases, staging = make(8)
+    a = chain("a", 6)
+    plan = stage(pool, a)
+    assert plan.count == 6 and index.staged == 6
+    # a second writer of the same chain stops at the keys already staging: an empty plan
+    assert stage(pool, a).count == 0
+    # a failed block cuts the prefix there; the rest is freed, never published
+    assert pool.complete(plan, [True, True, False, True, True, True]) == 2
+    assert index.match(a) == 2 and index.staged == 0
+    with pytest.raises(ValueError):
+        pool.complete(plan, [True] * 6)  # exactly once
+    p2 = stage(pool, a, limit=2)  # from the resident prefix, at most 2 blocks
+    assert (p2.start, p2.count) == (2, 2) and p2.prefix_lease is not None and index.pinned == 2
+    pool.abandon(p2)
+    assert index.match(a) == 2 and index.staged == 0 and index.pinned == 0
+    # limits: reserved room, then the allocator (everything pinned)
+    small = PoolManager(index, leases, reserved_limit_bytes=300, pinned_limit_bytes=800)
+    p3 = small.prepare_stage(chain("b", 5), 0, None, "store", prefix_ttl_s=1, owner=("s", "g"), now=0)
+    assert p3.count == 3  # only 3 blocks of room
+    r = small.prepare_stage(chain("c", 2), 0, None, "store", prefix_ttl_s=1, owner=("s", "g"), now=0)
+    assert isinstance(r, Refusal) and r.resource == "reserved" and r.code == ErrorCode.LIMIT
+    small.abandon(p3)
+    held = leases.new(index.resident_ids(a, 2), ttl_s=10, now=0, kind="get", owner=(0, 0))
+    full = stage(pool, chain("d", 6))
+    assert full.count == 6  # 6 free blocks
+    r = stage(pool, chain("e", 1))
+    assert isinstance(r, Refusal) and r.resource == "allocator"  # the other 2 are pinned
+    assert pool.refusals == {"allocator": 1} and small.refusals == {"reserved": 1}
+    pool.abandon(full)
+    leases.drop(held, "released")
+    assert index.check() == "" and index.pinned == 0 and index.staged == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -148,28 +186,10 @@ def test_random_operations_keep_every_invariant(ops):
         now += 0.1
         c = chain(f"c{which % 3}", n)
         if op == "store":
-            start = index.match(c)
-            end = start
-            while end < n and c[end * 16:(end + 1) * 16] not in index.staging:
-                end += 1
-            if end == start:
+            plan = stage(pool, c, now=now, ttl=1)
+            if isinstance(plan, Refusal) or plan.count == 0:
                 continue
-            pl = None
-            parent = -1
-            if start:
-                pre = index.resident_ids(c, start)
-                parent = unpack_ids(pre)[-1]
-                pl = leases.new(pre, ttl_s=1, now=now, kind="store_prefix", owner=("s", "g"))
-            short = (end - start) - index.free
-            if short > 0:
-                index.evict(short)
-            blocks = index.alloc(end - start)
-            if not blocks:
-                if pl:
-                    leases.drop(pl, "refused")
-                continue
-            s = staging.open(group="g", chain=c[start * 16:(start + len(blocks) // 4) * 16], start=start, blocks=blocks,
-                             parent=parent, prefix_lease=pl, writers={0}, ttl_s=1, now=now)
+            s = staging.open(plan, group="g", writers={0}, ttl_s=1, now=now)
             if which % 2:
                 staging.commit(s, 0)
             else:
