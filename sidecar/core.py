@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class KVCore:
-    def __init__(self, sidecar: Sidecar, layout: KVLayout, num_blocks: int, limits):
+    def __init__(self, sidecar: Sidecar, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic):
+        self.clock = clock  # injected: the executor bench drives a fake clock
         self.sidecar = sidecar
         self.layout = layout
         self.limits = limits
@@ -94,10 +95,10 @@ class KVCore:
         except OpError as exc:
             if key is not None:  # a refusal is a decision too: every rank gets it
                 self.decisions.record(key, conn.info.rank, conn.info.group_size,
-                                      {"error": (exc.code, exc.message)}, time.monotonic())
+                                      {"error": (exc.code, exc.message)}, self.clock())
             raise
         if key is not None:
-            self.decisions.record(key, conn.info.rank, conn.info.group_size, result, time.monotonic())
+            self.decisions.record(key, conn.info.rank, conn.info.group_size, result, self.clock())
             self.arm_reaper(self.decisions.next_expiry())
         return dict(result)
 
@@ -107,7 +108,7 @@ class KVCore:
             self.sidecar.call_at(due, self._reap)
 
     def _reap(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._reaper_due = float("inf")
         expired = self.leases.reap(now)
         aborted = self.staging.reap(now)
@@ -148,7 +149,7 @@ class KVCore:
             new_pins = self.index.count_unpinned(blocks)
             if not self.pool.pins_fit(new_pins):
                 raise OpError(ErrorCode.LIMIT, f"pinning {new_pins} more blocks exceeds pinned_bytes_limit")
-            now = time.monotonic()
+            now = self.clock()
             self.index.touch(blocks)
             if grouped:
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
@@ -178,7 +179,7 @@ class KVCore:
         def compute(grouped: bool) -> dict:
             chain = msg["chain"]
             start = self.index.match(chain)
-            now = time.monotonic()
+            now = self.clock()
             plan = self.pool.prepare_stage(chain, start, None, "store", prefix_ttl_s=self.limits.staging_ttl_s,
                                            owner=("store", conn.info.group), now=now)
             if isinstance(plan, Refusal):
@@ -217,7 +218,7 @@ class KVCore:
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> dict:
-        now = time.monotonic()
+        now = self.clock()
         return {
             "pool": self.index.stats(),
             "leases": self.leases.stats(now),

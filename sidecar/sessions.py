@@ -81,7 +81,8 @@ class Record:
 
 
 class SessionManager:
-    def __init__(self, core: KVCore, tier: L3Tier | None, cfg):
+    def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic):
+        self.clock = clock  # injected: the executor bench drives a fake clock
         self.core = core
         self.tier = tier
         self.cfg = cfg
@@ -128,7 +129,7 @@ class SessionManager:
             raise OpError(ErrorCode.BAD_FIELD, f"unknown policy {policy!r}") from None
         chain = msg["chain"]
         total = len(chain) // KEY
-        now = time.monotonic()
+        now = self.clock()
         resident = self.index.match(chain)
         tokens = msg.get("tokens") or total * self.core.layout.tokens_per_block
         deadline = None
@@ -160,7 +161,7 @@ class SessionManager:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         self._trigger(rec, "demand")
         rec.demanded = True
-        self._run(rec, rec.machine.handle(Demand(time.monotonic())))
+        self._run(rec, rec.machine.handle(Demand(self.clock())))
         return self._view(rec)
 
     def op_abort(self, conn, msg) -> dict:
@@ -168,7 +169,7 @@ class SessionManager:
         if rec is None:
             return {"state": "unknown"}  # idempotent: nothing to abort
         self._trigger(rec, "abort")
-        self._run(rec, rec.machine.handle(Abort(time.monotonic())))
+        self._run(rec, rec.machine.handle(Abort(self.clock())))
         if rec.result_lease is not None:  # the request left: its result is not needed
             self.core.leases.drop(rec.result_lease, "aborted")
             rec.result_lease = None
@@ -200,22 +201,22 @@ class SessionManager:
     # -- event plumbing ---------------------------------------------------------------------------
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
-            rec.trigger_at = time.monotonic()
+            rec.trigger_at = self.clock()
             rec.trigger = why
 
     def _deadline_due(self, sid: int) -> None:
         rec = self.by_id.get(sid)
         if rec is not None and rec.machine.state != State.TERMINAL:
             self._trigger(rec, "deadline")
-        self._feed(sid, Tick(time.monotonic()))
+        self._feed(sid, Tick(self.clock()))
 
     def _query_done(self, sid: int, hits: int) -> None:
-        self._feed(sid, QueryDone(hits, time.monotonic()))
+        self._feed(sid, QueryDone(hits, self.clock()))
 
     def _chunk_done(self, sid: int, chunk: int, ok: tuple) -> None:
         rec = self.by_id.get(sid)
         if rec is not None and chunk in rec.chunks:  # (not left behind by the drain budget meanwhile)
-            self._feed(sid, ChunkDone(chunk, ok, time.monotonic()))
+            self._feed(sid, ChunkDone(chunk, ok, self.clock()))
 
     def _feed(self, sid: int, event) -> None:
         """One event into a session's machine (a forgotten session ignores it)."""
@@ -226,11 +227,11 @@ class SessionManager:
     def _run(self, rec: Record, actions: list) -> None:
         """Carry out actions; executing one may produce more (e.g. a limit shrinks a claim)."""
         if rec.machine.sealed and rec.sealed_at is None:
-            rec.sealed_at = time.monotonic()
+            rec.sealed_at = self.clock()
         self._carry_out(rec, actions)
         if rec.machine.state == State.DRAINING and not rec.drain_timer:
             rec.drain_timer = True
-            self.sidecar.call_at(time.monotonic() + self._drain_budget(rec), self._drain_expired, rec.id)
+            self.sidecar.call_at(self.clock() + self._drain_budget(rec), self._drain_expired, rec.id)
 
     def _drain_budget(self, rec: Record) -> float:
         """How long a stopped session waits for its reads in flight.
@@ -252,7 +253,7 @@ class SessionManager:
         rec = self.by_id.get(sid)
         if rec is None or rec.machine.state != State.DRAINING:
             return
-        now = time.monotonic()
+        now = self.clock()
         actions = []
         for chunk, io in list(rec.chunks.items()):
             if not rec.machine.chunk_pending(chunk):
@@ -336,7 +337,7 @@ class SessionManager:
                     self.index.unpin(pack_ids([rec.pins.pop(pos)]))
             del rec.chunks[chunk]
             self.counters["chunks_withdrawn"] += 1
-            out += rec.machine.handle(ChunkWithdrawn(chunk, time.monotonic()))
+            out += rec.machine.handle(ChunkWithdrawn(chunk, self.clock()))
         return out
 
     def _query(self, rec: Record, a: Query) -> None:
@@ -380,7 +381,7 @@ class SessionManager:
         extra = []
         if granted < a.count:
             self.counters["claims_limited"] += 1
-            extra = rec.machine.handle(ClaimGranted(a.chunk, granted, time.monotonic()))
+            extra = rec.machine.handle(ClaimGranted(a.chunk, granted, self.clock()))
             if granted == 0:
                 return extra
         io = ChunkIO(a.start, granted, kinds, {}, {})
@@ -400,7 +401,7 @@ class SessionManager:
                 io.shared_ok[pos] = None
                 self.waiters[key].append((rec.id, a.chunk, pos))
                 self.counters["blocks_deduplicated"] += 1
-        io.t0 = time.monotonic()
+        io.t0 = self.clock()
         if own_positions:
             io.reading = True
             keys = b"".join(rec.chain[p * KEY:(p + 1) * KEY] for p in own_positions)
@@ -449,7 +450,7 @@ class SessionManager:
         for off, kind in enumerate(io.kinds):
             pos = io.start + off
             ok.append(True if kind == "have" else io.shared_ok[pos] if kind == "shared" else io.read_ok[pos])
-        rec.chunk_times.append((time.monotonic() - io.t0) * 1e3)
+        rec.chunk_times.append((self.clock() - io.t0) * 1e3)
         # deliver as an event so it is never re-entered from inside a claim
         self.sidecar.post(self._chunk_done, rec.id, chunk, tuple(ok))
 
@@ -482,7 +483,7 @@ class SessionManager:
                 idx.unpin(pack_ids([rec.pins.pop(pos)]))
 
     def _finish(self, rec: Record, a: Finish) -> None:
-        now = time.monotonic()
+        now = self.clock()
         rec.terminal_at = now
         prefix_ids = [rec.pins.pop(p) for p in range(a.prefix)]
         rest = list(rec.pins.values())
@@ -531,7 +532,7 @@ class SessionManager:
         for rec in list(self.records.values()):
             if rec.key[0] == group:
                 self._trigger(rec, "abort")
-                self._run(rec, rec.machine.handle(Abort(time.monotonic())))
+                self._run(rec, rec.machine.handle(Abort(self.clock())))
                 if rec.result_lease is not None:
                     self.core.leases.drop(rec.result_lease, "client_gone")
                     rec.result_lease = None
