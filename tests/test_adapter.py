@@ -113,6 +113,9 @@ def test_sidecar_killed_mid_workload_engine_keeps_serving(sidecar_factory, insta
     assert ad.start()
     serve(ad, "a", TOKS, 1)
     assert serve(ad, "b", TOKS, 10) == len(TOKS)
+    # "a"'s write-behind PUTs land before the kill: a kill mid-PUT leaves a prefix of the chain in
+    # L3, and the restarted sidecar would then (rightly) restore that partial prefix
+    wait_l3_idle(ad.conn)
     first.kill()
     t0 = time.monotonic()
     for i in range(3):  # every hook is a prompt miss: the engine recomputes
