@@ -9,12 +9,10 @@ measured in the same run (ratios; these machines are noisy).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SUITES = {
     "ring": "bench_ring",
@@ -40,7 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write results to this path")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    module = __import__(SUITES[args.suite])
+    # a sibling module: ``python scripts/bench.py`` has this folder first on sys.path,
+    # ``python -m scripts.bench`` (from the repo root) has the ``scripts`` package
+    module = importlib.import_module(f".{SUITES[args.suite]}", __package__) if __package__ \
+        else importlib.import_module(SUITES[args.suite])
     result = module.run(quick=args.quick)
     print_table(f"kvsidecar bench: {args.suite}{' (quick)' if args.quick else ''}", module.table(result))
     if args.json:
@@ -51,4 +52,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sidecar import inspector
 
-import inspect_shm  # noqa: E402
-import simulate  # noqa: E402
+if __package__:  # python -m scripts.demo, from the repo root
+    from . import simulate
+else:  # python scripts/demo.py: this folder is first on sys.path
+    import simulate
 
 
 def main(argv=None) -> int:
@@ -42,7 +41,7 @@ def main(argv=None) -> int:
 
     def inspect(instance: str) -> None:
         time.sleep(0.15)  # let the sidecar publish its stats blob
-        views.append(inspect_shm.render(inspect_shm.snapshot(instance)))
+        views.append(inspector.render(inspector.snapshot(instance)))
 
     res = simulate.simulate(True, budget_s=0.25, l3=l3, before_stop=inspect)
     simulate.print_table(res)
@@ -60,4 +59,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

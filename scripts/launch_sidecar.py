@@ -1,8 +1,6 @@
 #!/usr/bin/env python3
-"""Launch the node's kvsidecar beside the serving engine (see ``sidecar.launcher``)."""
-import sys
-
+"""Launch the node's kvsidecar beside the serving engine (see ``sidecar.launcher``; also
+``python -m sidecar`` and the ``kvsidecar-launch`` console script)."""
 from sidecar.launcher import main
 
-if __name__ == "__main__":
-    sys.exit(main())
+raise SystemExit(main())

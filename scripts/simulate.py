@@ -22,14 +22,11 @@ import multiprocessing as mp
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from shm.layout import KVLayout  # noqa: E402
+from shm.layout import KVLayout
 
 ARMS = {
     "whole_task": dict(policy="wait_complete"),
@@ -362,4 +359,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -3,14 +3,13 @@ a sidecar killed mid-workload, and the TP=2 simulator end to end (ranks as proce
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from connector.adapter import AdapterConfig, EngineAdapter
+from scripts import simulate
 from shm.layout import KVLayout
 
 from .helpers import wait_l3_idle
@@ -142,9 +141,6 @@ def test_adapter_without_any_sidecar_is_all_misses(instance):
 
 def test_simulator_two_ranks_end_to_end():
     """The TP=2 engine simulator (ranks as processes) with a small workload: exact data, agreement."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import simulate
-
     res = simulate.simulate(True, l3_mbps=400.0, budget_s=0.05, arms=["whole_task", "timeout_chunk32"],
                             prefix_tokens=1024, requests=4)
     for arm, a in res["arms"].items():

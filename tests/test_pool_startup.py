@@ -10,10 +10,8 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -26,9 +24,9 @@ from shm.layout import KVLayout
 from shm.segment import Segment, unlink_segment
 from sidecar.config import ConfigError, load_config
 from sidecar.pool_memory import create_pool_segment
+from sidecar.spawn import child_env, launcher_argv
 
 MiB = 1 << 20
-LAUNCHER = Path(__file__).resolve().parent.parent / "scripts" / "launch_sidecar.py"
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16, tp_size=1)  # 8 KiB blocks
 
 
@@ -153,12 +151,13 @@ def test_bad_pool_options_are_config_errors(instance):
 @pytest.mark.parametrize("mode,phase", [("write", "allocating"), ("map", "mapping")])
 def test_sigterm_during_prefault_stops_cleanly_and_unlinks(instance, tmp_path, mode, phase):
     """A 1 GiB pool: SIGTERM once the progress log shows the allocation under way."""
-    args = [sys.executable, str(LAUNCHER), "--instance", instance, "--log-level", "INFO",
-            "--set", "l3.backend=\"none\"", "--set", f"run_dir=\"{tmp_path}\"", "--set", "pool.hugepages=\"off\"",
-            "--set", f"pool.populate=\"{mode}\"", "--set", "pool.num_blocks=131072"]  # 131072 x 8 KiB = 1 GiB
+    args = launcher_argv() + [  # python -m sidecar
+        "--instance", instance, "--log-level", "INFO",
+        "--set", "l3.backend=\"none\"", "--set", f"run_dir=\"{tmp_path}\"", "--set", "pool.hugepages=\"off\"",
+        "--set", f"pool.populate=\"{mode}\"", "--set", "pool.num_blocks=131072"]  # 131072 x 8 KiB = 1 GiB
     for k, v in LAY.as_dict().items():
         args += ["--set", f"layout.{k}={_toml(v)}"]
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=child_env())
     seen = []
     try:
         deadline = time.monotonic() + 60

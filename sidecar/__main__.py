@@ -1,0 +1,10 @@
+"""``python -m sidecar``: run this node's sidecar (the launcher, ``sidecar.launcher.main``).
+
+The same entry point is installed as the ``kvsidecar-launch`` console script, and
+``sidecar.spawn.SidecarProcess`` starts children this way.
+"""
+
+from .launcher import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
