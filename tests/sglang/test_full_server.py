@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
+from sidecar import inspector  # noqa: E402
 from sidecar.l3.master import free_port  # noqa: E402
 from sidecar.spawn import SidecarProcess  # noqa: E402
 
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 TP = 2
+PAGE = 16
 
 
 def http(port, path, body=None, method="POST", timeout=120):
@@ -53,7 +55,7 @@ def server(instance, tmp_path):
     heads = cfg["num_key_value_heads"] // TP
     over = {"layout.model": "tiny", "layout.num_layers": cfg["num_hidden_layers"], "layout.num_kv_heads": heads,
             "layout.head_dim": cfg["hidden_size"] // cfg["num_attention_heads"], "layout.dtype": "bfloat16",
-            "layout.tokens_per_block": 16, "pool.num_blocks": 2048, "l3.file_dir": str(tmp_path / "l3")}
+            "layout.tokens_per_block": PAGE, "pool.num_blocks": 2048, "l3.file_dir": str(tmp_path / "l3")}
     sc = SidecarProcess(instance, overrides=over)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=f"{HERE / 'server_standins'}:{ROOT}", SGLANG_USE_CPU_ENGINE="1",
@@ -69,7 +71,7 @@ def server(instance, tmp_path):
         [str(ROOT / ".sglang-venv" / "bin" / "python"), "-m", "sglang.launch_server",
          "--model-path", str(HERE / "tiny_llama"), "--device", "cpu", "--load-format", "dummy",
          "--skip-tokenizer-init", "--tp", str(TP), "--port", str(port), "--host", "127.0.0.1",
-         "--page-size", "16", "--max-total-tokens", "8192", "--enable-hierarchical-cache",
+         "--page-size", str(PAGE), "--max-total-tokens", "8192", "--enable-hierarchical-cache",
          "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
          "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra)],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT))
@@ -116,18 +118,44 @@ def flush(port):
         time.sleep(1)
 
 
-def test_full_server_tp2_serves_cached_tokens_from_kvsidecar(server):
+def published_blocks(instance) -> int:
+    """Blocks the sidecar has published from stores, read from its shared stats (the read-only
+    inspector: no request, no client slot, nothing the server's ranks could notice)."""
+    return inspector.snapshot(instance)["stats"].get("store", {}).get("published_blocks", 0)
+
+
+def wait_published(instance, at_least: int, timeout_s: float, what: str) -> int:
+    """Bounded wait until the sidecar has published ``at_least`` blocks (SGLang writes through to
+    its storage backend from each rank's backup thread, asynchronously: possibly after the request
+    has returned)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = published_blocks(instance)
+        if n >= at_least:
+            return n
+        assert time.monotonic() < deadline, f"{what}: {n} of {at_least} blocks published in {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def test_full_server_tp2_serves_cached_tokens_from_kvsidecar(server, instance):
     port, sidecar, startup, log_path = server
     import random
 
     rng = random.Random(1)
     warm = [rng.randrange(3, 500) for _ in range(64)]
-    generate(port, warm)  # the first request also builds SGLang's native page hash
-    time.sleep(20)
+    generate(port, warm)
+    # The warm prompt's pages reach the sidecar from both ranks' backup threads, which hash them
+    # first: that builds SGLang's native page hash (a JIT compile of seconds) in every rank.
+    # Once they have landed, nothing is warming up any more.
+    t_warm = time.monotonic()
+    base = wait_published(instance, TP * (len(warm) // PAGE), 240, "the warm prompt's write-through")
+    t_warm = time.monotonic() - t_warm
     ids = [rng.randrange(3, 500) for _ in range(320)]
     t0 = time.monotonic()
     first, meta1 = generate(port, ids)
-    time.sleep(3)  # write-through to the storage backend is asynchronous
+    # write-through to the storage backend is asynchronous: every full page of the prompt, from
+    # every rank, is in the sidecar before the flush
+    written = wait_published(instance, base + TP * (len(ids) // PAGE), 60, "the prompt's write-through")
     flush(port)
     second, meta2 = generate(port, ids)
     storage = (meta2.get("cached_tokens_details") or {}).get("storage", 0)
@@ -141,5 +169,6 @@ def test_full_server_tp2_serves_cached_tokens_from_kvsidecar(server):
     flush(port)
     again, _ = generate(port, ids)
     assert again == first
-    print(f"\nfull-server test: startup {startup:.1f} s, round trip {time.monotonic() - t0:.1f} s, "
+    print(f"\nfull-server test: startup {startup:.1f} s, warm-up write-through {t_warm:.1f} s "
+          f"({base} blocks), round trip {time.monotonic() - t0:.1f} s ({written - base} blocks written through), "
           f"storage cached_tokens {storage}")

@@ -1,6 +1,10 @@
-"""SGLang's own HiCacheController (its backup, prefetch, IO and sync threads, gloo all-reduce) with
-kvsidecar as the storage backend: write-through, a reset of SGLang's host tier, prefetch back
-bit-exact, on every host layout SGLang offers for MHA on CPU."""
+"""SGLang's own cache controller -- ``HybridCacheController``, the one the server instantiates
+(``UnifiedRadixCache.init_hicache`` -> ``hybrid_pool_assembler.build_kv_only_stack`` for a plain
+MHA model), with its backup, prefetch, IO and sync threads and gloo all-reduces -- and kvsidecar
+as the storage backend: write-through, a reset of SGLang's host tier, prefetch back bit-exact, on
+every host layout SGLang offers for MHA on CPU.  The test drives the controller the way
+``UnifiedRadixCache`` does (``write_storage`` / ``submit_prefetch`` / ``prefetch_hit_queue`` /
+``allocate_storage_hit`` / ``prefetch_buffer``)."""
 
 from __future__ import annotations
 
@@ -8,16 +12,23 @@ import ctypes
 import queue
 import threading
 import time
+from array import array
 
 import pytest
 
 sglang = pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
-from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host import HostPoolGroup  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from connector.hicache_backend import layout_for_host_pool  # noqa: E402
@@ -44,15 +55,24 @@ def tp_group():
 
 
 def build(layout: str, instance: str, tp_group):
+    """The server's stack for a plain MHA model (``build_kv_only_stack``), from the same pieces:
+    the anchor-only ``HostPoolGroup`` of one KV host pool, and ``HybridCacheController`` over it.
+    The host pool itself is built directly (unpinned, on CPU) instead of by
+    ``build_kv_host_pool``, which reads the server's global args and pins its memory."""
+    # the class the server's assembler instantiates
+    assert hybrid_pool_assembler.HybridCacheController is HybridCacheController
     dev = MHATokenToKVPool(DEV_TOKENS, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
     alloc = PagedTokenToKVPoolAllocator(DEV_TOKENS, PAGE, torch.float16, "cpu", dev, need_sort=False)
     host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, HOST_PAGES * PAGE // DEV_TOKENS, 0, PAGE, layout,
                                 pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
                                 start_layer=dev.start_layer, end_layer=dev.end_layer,
                                 write_back_staging=dev.hicache_write_back_staging)
-    ctrl = HiCacheController(
-        alloc, host, PAGE, tp_group, threading.Event(), write_policy="write_through", io_backend="direct",
-        storage_backend="dynamic", model_name="tiny-llama",
+    mapping = {i: i for i in range(dev.layer_num)}
+    group = HostPoolGroup([build_pool_entry(name=PoolName.KV, host_pool=host, device_pool=dev, layer_mapping=mapping,
+                                            transfer_layer_id_max=len(mapping), is_anchor=True)])
+    ctrl = HybridCacheController(
+        alloc, group, PAGE, tp_group, load_cache_event=threading.Event(), write_policy="write_through",
+        io_backend="direct", storage_backend="dynamic", model_name="tiny-llama", transfer_layer_id_max=len(mapping),
         storage_backend_extra_config={"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
                                       "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
                                       "instance": instance})
@@ -94,18 +114,25 @@ def test_write_through_reset_prefetch_back(sidecar_factory, instance, tmp_path, 
         src = host.alloc(n_pages * PAGE)
         host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape).to(host.kv_buffer.dtype))
         want = page_bytes(host, src)
-        # write-through of >= 200 pages via SGLang's backup thread
-        ctrl.write_storage(src, tokens, hash_value=hashes)
+        # write-through of >= 200 pages via SGLang's backup thread (as write_backup_storage calls it)
+        op_id = ctrl.write_storage(src, tokens, hashes, None, extra_pools=None)
         op = wait_get(ctrl.ack_backup_queue)
-        assert op.completed_tokens == n_pages * PAGE
+        assert op.id == op_id and op.completed_tokens == n_pages * PAGE
         # reset SGLang's host tier (what /flush_cache does to it)
         host.free(src)
         host.kv_buffer.zero_()
-        # prefetch back: the prefetch thread queries, the scheduler step allocates, the IO thread reads
-        pre = ctrl.prefetch("req-1", tokens, None, None)
+        # prefetch back, as UnifiedRadixCache does: submit, the prefetch thread queries (and
+        # all-reduces the hit), the scheduler step allocates the hit, the IO thread reads
+        handle = CacheRequestHandle(rid="req-1", attempt_id=0)
+        submission = ctrl.submit_prefetch(handle, RadixKey(array("q", tokens)), None, None, [], None)
+        pre = submission.operation
+        assert pre is not None and submission.decision is None
         hit = wait_get(ctrl.prefetch_hit_queue)
-        assert hit is pre and pre.storage_hit_count == n_pages * PAGE
-        pre.host_indices = host.alloc(pre.storage_hit_count)
+        assert hit is pre and hit.handle == handle and pre.storage_hit_count == n_pages * PAGE
+        indices, alloc_len = ctrl.allocate_storage_hit(pre, pre.storage_hit_count, allow_partial=True,
+                                                       min_tokens=ctrl.prefetch_threshold, evict_host=lambda n: 0)
+        assert indices is not None and alloc_len == n_pages * PAGE
+        pre.host_indices = indices
         ctrl.prefetch_buffer.put(pre)
         done = False
         deadline = time.monotonic() + 30
