@@ -69,12 +69,18 @@ def _bench_get_release(quick: bool) -> dict:
     from sidecar.config import load_config
     from sidecar.core import KVCore
 
-    class _Host:  # the minimum of Sidecar that KVCore registers with
-        handlers, kv_ops = {}, set()
-        attach_validators, client_gone_hooks, stats_providers, invariant_checks = [], [], [], []
+    class _Host:  # sidecar.service.Host: what a service may use of the loop (no loop here)
+        clients: dict = {}
+        counters: dict = {}
+
+        def post(self, fn, *a):
+            fn(*a)
 
         def call_at(self, due, fn, *a):
             pass
+
+        def reply(self, conn, rid, result=None, error=None):
+            return True
 
     cfg = load_config(None, {"layout.num_layers": 1, "layout.head_dim": 8, "pool.num_blocks": 1024})
     lay = cfg.kv_layout()

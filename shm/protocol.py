@@ -51,10 +51,13 @@ INT, SINT, FLOAT, BOOL, STR, BYTES, CHAIN, MAP, INTLIST = range(9)
 class OpSchema:
     required: dict
     optional: dict = dataclasses.field(default_factory=dict)
+    kv: bool = False  # needs a client attached with a KV layout (observers may not send it)
 
 
 _TP = {"group": STR, "req": STR, "attempt": INT, "step": INT}
 
+# The op table: every op the sidecar serves, its fields, and whether it needs a KV attach.
+# The control loop refuses to mount a handler for an op that is not here (sidecar.service).
 OP_SCHEMAS: dict[str, OpSchema] = {
     "attach": OpSchema(
         {"instance": STR, "group": STR, "rank": INT, "group_size": INT, "pid": INT, "start": INT},
@@ -63,21 +66,22 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "detach": OpSchema({}),
     "ping": OpSchema({}, {"payload": BYTES}),
     "stats": OpSchema({}, {"check": BOOL}),
-    "lookup": OpSchema({"chain": CHAIN}, {"ns": STR, **_TP}),
-    "get": OpSchema({"chain": CHAIN}, {"ns": STR, "max_blocks": INT, **_TP}),
-    "release": OpSchema({"lease": INT}),
-    "store": OpSchema({"chain": CHAIN}, {"ns": STR, "l3": BOOL, **_TP}),
-    "commit": OpSchema({"staging": INT}, {"ok": BOOL}),
-    "restore": OpSchema({"chain": CHAIN}, {"ns": STR}),
-    "flush": OpSchema({}),
+    "lookup": OpSchema({"chain": CHAIN}, {"ns": STR, **_TP}, kv=True),
+    "get": OpSchema({"chain": CHAIN}, {"ns": STR, "max_blocks": INT, **_TP}, kv=True),
+    "release": OpSchema({"lease": INT}, kv=True),
+    "store": OpSchema({"chain": CHAIN}, {"ns": STR, "l3": BOOL, **_TP}, kv=True),
+    "commit": OpSchema({"staging": INT}, {"ok": BOOL}, kv=True),
+    "restore": OpSchema({"chain": CHAIN}, {"ns": STR}, kv=True),
+    "flush": OpSchema({}, kv=True),
     "prefetch": OpSchema(
         {"req": STR, "chain": CHAIN},
         {"ns": STR, "attempt": INT, "policy": STR, "budget_s": FLOAT, "chunk_max_blocks": INT,
          "tokens": INT, "checkpoints": INTLIST, "checkpoint_every": INT, "group": STR, "step": INT},
+        kv=True,
     ),
-    "demand": OpSchema({"req": STR}, {"attempt": INT}),
-    "abort": OpSchema({"req": STR}, {"attempt": INT}),
-    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT}),
+    "demand": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
+    "abort": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
+    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT}, kv=True),
 }
 
 

@@ -17,15 +17,15 @@ from shm.layout import KVLayout
 from .decisions import DecisionBook
 from .index import PrefixIndex
 from .leases import LeaseError, LeaseTable
-from .server import OpError, Sidecar
+from .service import Host, OpError, Service
 from .admission import PoolManager, Refusal
 from .staging import StagingTable
 
 log = logging.getLogger(__name__)
 
 
-class KVCore:
-    def __init__(self, sidecar: Sidecar, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic):
+class KVCore(Service):
+    def __init__(self, sidecar: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic):
         self.clock = clock  # injected: the executor bench drives a fake clock
         self.sidecar = sidecar
         self.layout = layout
@@ -46,18 +46,23 @@ class KVCore:
         # Ranks of a group that left (died or detached) and have not attached again: a
         # group lease made now is not held on their behalf (nobody would release it).
         self.departed: dict[str, set] = {}
-        self.publish_hooks: list = []  # fn(staging) after an engine store was published
-        self.get_hooks: list = []  # fn(conn, msg) after a GET took its own reference
-        sidecar.handlers.update({"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
-                                 "store": self.op_store, "commit": self.op_commit, "flush": self.op_flush})
-        sidecar.kv_ops.update(("lookup", "get", "release", "store", "commit", "flush"))
-        sidecar.attach_validators.append(self._validate_attach)
-        sidecar.client_gone_hooks.append(self._client_gone)
-        sidecar.stats_providers.append(self.stats)
-        sidecar.invariant_checks.append(self.check)
+        # collaborators wired once by the composition root (sidecar.launcher): what follows a
+        # published engine store (L3 write-behind) and a GET (the prefetch result hand-off)
+        self._after_publish = None
+        self._after_get = None
+
+    def connect(self, *, after_publish=None, after_get=None) -> None:
+        """Wire the collaborators (once): ``after_publish(staging)``, ``after_get(conn, msg)``."""
+        if self._after_publish is not None or self._after_get is not None:
+            raise RuntimeError("KVCore is connected already")
+        self._after_publish, self._after_get = after_publish, after_get
+
+    def ops(self) -> dict:
+        return {"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
+                "store": self.op_store, "commit": self.op_commit, "flush": self.op_flush}
 
     # -- helpers --------------------------------------------------------------------------------
-    def _validate_attach(self, conn, msg) -> None:
+    def validate_attach(self, conn, msg) -> None:
         if msg["group_size"] != self.layout.tp_size:
             raise OpError(ErrorCode.LAYOUT_MISMATCH,
                           f"group_size {msg['group_size']} != layout tp_size {self.layout.tp_size}")
@@ -118,7 +123,7 @@ class KVCore:
         for due in (self.leases.next_deadline(), self.staging.next_deadline(), self.decisions.next_expiry()):
             self.arm_reaper(due)
 
-    def _client_gone(self, conn) -> None:
+    def client_gone(self, conn) -> None:
         if conn.info is None:
             return
         owner = self._owner(conn)
@@ -161,8 +166,8 @@ class KVCore:
             return {"lease": lease.id, "blocks": blocks, "count": n}
 
         result = self.decided(conn, "get", msg, compute)
-        for hook in self.get_hooks:
-            hook(conn, msg)
+        if self._after_get is not None:
+            self._after_get(conn, msg)
         return result
 
     def op_release(self, conn, msg) -> dict:
@@ -207,9 +212,8 @@ class KVCore:
             self.staging.abort(st, "failed")
             return {"published": False, "aborted": True}
         done = self.staging.commit(st, conn.info.rank)
-        if done:
-            for hook in self.publish_hooks:
-                hook(st)
+        if done and self._after_publish is not None:
+            self._after_publish(st)
         return {"published": done, "pending": len(st.writers), "count": len(st.blocks) // 4 if done else 0}
 
     def op_flush(self, conn, msg) -> dict:

@@ -40,7 +40,7 @@ class PrefixIndex:
         self.block_bytes = block_bytes
         self.native = BlockIndex(num_blocks)
         self.staging: dict[bytes, int] = {}
-        self.resolve_hooks: list = []  # fn(key, published: bool) when a staged key is published or dropped
+        self._on_resolved = None  # fn(key, published: bool) when a staged key is published or dropped
         n = self.native
         # hot-path methods, bound once
         self.match = n.match
@@ -53,6 +53,12 @@ class PrefixIndex:
         self.evicted = 0  # blocks evicted since start (churn figures)
         self.release_staging = n.release_staging
         self.find = n.find
+
+    def watch_staging(self, on_resolved) -> None:
+        """Wire (once) who hears that a staged key was published or dropped (in-flight de-dup)."""
+        if self._on_resolved is not None:
+            raise RuntimeError("staging is watched already")
+        self._on_resolved = on_resolved
 
     def evict(self, want: int) -> int:
         """Evict up to ``want`` LRU unpinned leaves; returns how many."""
@@ -68,9 +74,8 @@ class PrefixIndex:
         if staged:
             del self.staging[key]
         self.native.publish(key, block, parent)
-        if staged:
-            for hook in self.resolve_hooks:
-                hook(key, True)
+        if staged and self._on_resolved is not None:
+            self._on_resolved(key, True)
 
     def drop_staging(self, key: bytes, block: int) -> None:
         """A staged block whose data never landed (or was abandoned) goes back to FREE."""
@@ -78,9 +83,8 @@ class PrefixIndex:
         if staged:
             del self.staging[key]
         self.native.release_staging(block)
-        if staged:
-            for hook in self.resolve_hooks:
-                hook(key, False)
+        if staged and self._on_resolved is not None:
+            self._on_resolved(key, False)
 
     # -- counts ---------------------------------------------------------------------------------
     @property

@@ -19,10 +19,10 @@ from .core import KVCore
 from .admission import Refusal
 from .index import KEY
 from .l3.tier import L3Tier
-from .server import DEFERRED, OpError
+from .service import DEFERRED, Service
 
 
-class L3Ops:
+class L3Ops(Service):
     def __init__(self, core: KVCore, tier: L3Tier, max_put_backlog_blocks: int = 0):
         self.core = core
         self.max_put_backlog = max_put_backlog_blocks or max(core.index.num_blocks // 4, 1)
@@ -32,12 +32,13 @@ class L3Ops:
         self.counters = core.sidecar.counters
         self.puts_in_flight = 0
         self.loads_in_flight = 0
-        core.publish_hooks.append(self.write_behind)
-        self.sidecar.handlers["restore"] = self.op_restore
-        self.sidecar.kv_ops.add("restore")
-        self.sidecar.stats_providers.append(lambda: {"l3": {**self.tier.stats(), "puts_in_flight": self.puts_in_flight,
-                                                             "put_backlog_blocks": self.put_backlog,
-                                                             "loads_in_flight": self.loads_in_flight}})
+
+    def ops(self) -> dict:
+        return {"restore": self.op_restore}
+
+    def stats(self) -> dict:
+        return {"l3": {**self.tier.stats(), "puts_in_flight": self.puts_in_flight,
+                       "put_backlog_blocks": self.put_backlog, "loads_in_flight": self.loads_in_flight}}
 
     # -- write-behind ---------------------------------------------------------------------------
     def write_behind(self, st) -> None:
@@ -103,4 +104,4 @@ class L3Ops:
         self.tier.load(ns, st.chain, st.blocks, loaded)
 
 
-__all__ = ["L3Ops", "OpError"]
+__all__ = ["L3Ops"]

@@ -97,15 +97,24 @@ class SidecarHost:
             self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
             # a killed client is seen before its address space is torn down (shm.deathword)
             self.sidecar.liveness.set_death_words(lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
+            # the composition root: build the services, wire them to each other once, mount them
             self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits)
+            l3ops = None
             backend = build_backend(cfg, self)
             if backend is not None:
                 backend.register_pool(self.pool_segment.address, self.pool_segment.size)
                 self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes)
-                L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
-                self.tier.start()
+                l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions)
+            self.core.connect(after_publish=l3ops.write_behind if l3ops is not None else None,
+                              after_get=self.sessions.handoff)
+            self.core.index.watch_staging(self.sessions.key_resolved)
+            for service in (self.core, l3ops, self.sessions):
+                if service is not None:
+                    self.sidecar.mount(service)
+            if self.tier is not None:
+                self.tier.start()
         except BaseException:
             self.close()
             raise
@@ -147,7 +156,7 @@ class SidecarHost:
             if self.tier is not None:
                 self.tier.stop()  # in-flight L3 calls finish; their completions run below
                 self.sidecar.run_pending_events()
-            broken = "; ".join(filter(None, (check() for check in self.sidecar.invariant_checks)))
+            broken = self.sidecar.check()
             if broken:
                 log.error("accounting invariants broken after draining L3: %s", broken)
                 self.exit_code = 3

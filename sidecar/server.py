@@ -35,26 +35,16 @@ from shm.ring import Oversize, RingCorrupted
 from .clients import ClientConn, ClientInfo
 from .config import SidecarConfig
 from .liveness import LivenessMonitor
+from .service import DEFERRED, OpError, Service
 
 log = logging.getLogger(__name__)
 
 MAX_IDLE_SLEEP_S = 30.0  # bound on any sleep, even with no timers at all
-
-
-DEFERRED = object()  # a handler's result meaning "the completion comes later, via reply()"
-
-
-class OpError(Exception):
-    """Raised by an op handler to answer with an error completion."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+BUILTIN_OPS = ("attach", "detach", "ping", "stats")
 
 
 class Sidecar:
-    """Control loop over one control segment.  Subsystems register ops and hooks."""
+    """Control loop over one control segment.  Services are mounted once (:meth:`mount`)."""
 
     def __init__(self, cfg: SidecarConfig, ctl: ControlSegment, layout: dict | None = None):
         self.cfg = cfg
@@ -72,11 +62,7 @@ class Sidecar:
             "ping": self._op_ping,
             "stats": self._op_stats,
         }
-        self.kv_ops: set = set()  # ops that need a client attached with a layout
-        self.attach_validators: list = []  # fn(conn, msg) raising OpError to refuse an attach
-        self.invariant_checks: list = []  # fn() -> '' or a description of what broke
-        self.client_gone_hooks: list = []  # fn(conn) called when a client detaches or dies
-        self.stats_providers: list = []  # fn() -> dict merged into stats
+        self.services: list[Service] = []
         self.counters: collections.Counter = collections.Counter()
         self._events: collections.deque = collections.deque()
         self._timers: list = []  # heap of (due, seq, fn)
@@ -99,6 +85,24 @@ class Sidecar:
         """Ask the loop to stop (safe from signal handlers and other threads)."""
         self._stop_requested = True
         self.doorbell.ring()
+
+    # -- services ----------------------------------------------------------------------------
+    def mount(self, service: Service) -> None:
+        """Serve ``service``'s ops and call its hooks (once per service, before ``run``)."""
+        if service in self.services:
+            raise ValueError(f"{type(service).__name__} is mounted already")
+        ops = service.ops()
+        for name in ops:
+            if name not in protocol.OP_SCHEMAS:
+                raise ValueError(f"{type(service).__name__} serves {name!r}, which has no schema")
+            if name in self.handlers:
+                raise ValueError(f"op {name!r} is served twice")
+        self.handlers.update(ops)
+        self.services.append(service)
+
+    def check(self) -> str:
+        """Every mounted service's invariants: '' when all hold."""
+        return "; ".join(filter(None, (svc.check() for svc in self.services)))
 
     # -- timers (control thread only) --------------------------------------------------------
     def call_at(self, due: float, fn, *args) -> None:
@@ -217,11 +221,11 @@ class Sidecar:
             return
         del self.clients[conn.slot]
         self.liveness.unwatch((conn.slot, conn.token))
-        for hook in self.client_gone_hooks:
+        for svc in self.services:
             try:
-                hook(conn)
+                svc.client_gone(conn)
             except Exception:
-                log.exception("client-gone hook failed for slot %d", conn.slot)
+                log.exception("%s.client_gone failed for slot %d", type(svc).__name__, conn.slot)
         log.info("client slot %d (pid %d) dropped: %s", conn.slot, conn.pid, reason)
         if free_slot:
             # The client is gone (or has consumed its detach ack): nobody else
@@ -292,7 +296,7 @@ class Sidecar:
             return self._error(conn, rid, ErrorCode.UNKNOWN_OP, f"op {op!r} is not served by this sidecar")
         if not conn.attached and op not in ("attach", "detach"):
             return self._error(conn, rid, ErrorCode.NOT_ATTACHED, f"{op} before attach")
-        if op in self.kv_ops and conn.info is not None and not conn.info.kv:
+        if protocol.OP_SCHEMAS[op].kv and conn.info is not None and not conn.info.kv:
             return self._error(conn, rid, ErrorCode.NOT_ATTACHED,
                                f"{op} needs an attach with a KV layout (this client attached as an observer)")
         self.counters[f"op_{op}"] += 1
@@ -368,8 +372,8 @@ class Sidecar:
                         f"layout field {key!r}: sidecar has {self.layout.get(key)!r}, client has {theirs.get(key)!r}",
                     )
         if theirs is not None:
-            for validate in self.attach_validators:
-                validate(conn, msg)
+            for svc in self.services:
+                svc.validate_attach(conn, msg)
         conn.info = ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"],
                                kv=theirs is not None)
         self.ctl.set_slot(conn.slot, conn.pid, SLOT_ACTIVE)
@@ -389,7 +393,7 @@ class Sidecar:
     def _op_stats(self, conn: ClientConn, msg: dict) -> dict:
         out = {"stats": self.snapshot()}
         if msg.get("check"):
-            out["invariants"] = "; ".join(filter(None, (check() for check in self.invariant_checks)))
+            out["invariants"] = self.check()
         return out
 
     # -- observability -----------------------------------------------------------------------
@@ -410,8 +414,8 @@ class Sidecar:
             "clients": clients,
             "counters": dict(self.counters),
         }
-        for provider in self.stats_providers:
-            snap.update(provider())
+        for svc in self.services:
+            snap.update(svc.stats())
         return snap
 
     def _publish_stats(self, now: float) -> None:

@@ -30,7 +30,7 @@ from shm.errors import ErrorCode
 from .core import KVCore
 from .index import KEY, pack_ids
 from .l3.tier import L3Tier
-from .server import OpError
+from .service import OpError, Service
 from .session import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
                       Params, Policy, Publish, Query, QueryDone, Session, Start, State, Tick)
 
@@ -80,7 +80,7 @@ class Record:
     abandoned: int = 0  # chunks whose read was still in flight when the drain budget ran out
 
 
-class SessionManager:
+class SessionManager(Service):
     def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic):
         self.clock = clock  # injected: the executor bench drives a fake clock
         self.core = core
@@ -102,15 +102,10 @@ class SessionManager:
         # published (data landed, parent still resident) or freed.  (sid, chunk) -> Orphan
         self.orphans: dict[tuple, Orphan] = {}
         core.holders.append(self)
-        s = self.sidecar
-        s.handlers.update({"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
-                           "poll": self.op_poll})
-        s.kv_ops.update(("prefetch", "demand", "abort", "poll"))
-        s.client_gone_hooks.append(self._client_gone)
-        s.stats_providers.append(self.stats)
-        s.invariant_checks.append(self.check)
-        self.index.resolve_hooks.append(self._key_resolved)
-        core.get_hooks.append(self._handoff)
+
+    def ops(self) -> dict:
+        return {"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
+                "poll": self.op_poll}
 
     # -- ops --------------------------------------------------------------------------------------
     def _key(self, conn, msg) -> tuple:
@@ -429,7 +424,8 @@ class SessionManager:
         rec.transfer_times.append(result.seconds * 1e3)
         self._maybe_chunk_done(rec, chunk)
 
-    def _key_resolved(self, key: bytes, published: bool) -> None:
+    def key_resolved(self, key: bytes, published: bool) -> None:
+        """A staged key was published or dropped (by whichever writer): wake its waiters."""
         for sid, chunk, pos in self.waiters.pop(key, ()):
             rec = self.by_id.get(sid)
             io = rec.chunks.get(chunk) if rec else None
@@ -512,7 +508,7 @@ class SessionManager:
             del self.records[rec.key]
 
     # -- hand-off and cleanup ---------------------------------------------------------------------
-    def _handoff(self, conn, msg) -> None:
+    def handoff(self, conn, msg) -> None:
         """After a GET took its own reference: the request's prefetch result is no longer needed."""
         if msg.get("req") is None:
             return
@@ -522,7 +518,7 @@ class SessionManager:
             rec.result_lease = None
             self.counters["handoffs"] += 1
 
-    def _client_gone(self, conn) -> None:
+    def client_gone(self, conn) -> None:
         if conn.info is None:
             return
         group = conn.info.group

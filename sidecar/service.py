@@ -1,0 +1,65 @@
+"""The service contract: what a subsystem declares to the control loop, once, at mount.
+
+A service (KV ops, L3 ops, prefetch sessions, later metrics) is an object with:
+
+* ``ops()`` → ``{op name: handler(conn, msg) -> dict | DEFERRED}``; every name must have a
+  schema in :data:`shm.protocol.OP_SCHEMAS` (which also says whether the op needs a client
+  attached with a KV layout) and be served by exactly one service;
+* ``validate_attach(conn, msg)`` → raise :class:`OpError` to refuse a KV attach;
+* ``client_gone(conn)`` → release what that client incarnation held (runs exactly once);
+* ``stats()`` → a dict merged into the sidecar's snapshot;
+* ``check()`` → ``""`` when its accounting invariants hold, else what broke.
+
+Services never import the loop (``sidecar.server``): they get what they need of it — ``post``,
+``call_at``, ``reply``, the client table — through the :class:`Host` they are given.  Handlers
+run on the control thread and own their state without locks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from shm.errors import ErrorCode
+
+DEFERRED = object()  # a handler's result meaning "the completion comes later, via Host.reply()"
+
+
+class OpError(Exception):
+    """Raised by an op handler to answer with a typed error completion."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Host(Protocol):
+    """What a service may use of the control loop."""
+
+    clients: dict  # slot -> ClientConn (read only)
+    counters: object  # collections.Counter of the sidecar's own counters
+
+    def post(self, fn, *args) -> None: ...
+
+    def call_at(self, due: float, fn, *args) -> None: ...
+
+    def reply(self, conn, rid: int, result: dict | None = None, error=None) -> bool: ...
+
+
+class Service:
+    """Defaults for the optional parts of the contract."""
+
+    def ops(self) -> dict:
+        return {}
+
+    def validate_attach(self, conn, msg) -> None:
+        return None
+
+    def client_gone(self, conn) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {}
+
+    def check(self) -> str:
+        return ""
