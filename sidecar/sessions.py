@@ -295,7 +295,10 @@ class SessionManager(Service):
         withdrawn = False
         while True:
             if not queue:
-                if withdrawn or not rec.machine.sealed or rec.machine.state == State.TERMINAL:
+                m = rec.machine
+                # A stop trigger (deadline, demand, abort, a failed block) withdraws reads not yet
+                # started; a limit seal only stops new claims: what was admitted is read.
+                if withdrawn or not m.sealed or m.state == State.TERMINAL or m.reason == "limit":
                     break
                 withdrawn = True
                 queue.extend(self._withdraw_queued(rec))

@@ -1,0 +1,606 @@
+"""A deterministic bench for the prefetch session executor: ``SessionManager`` + ``KVCore`` (pool
+manager, index, leases) in this process, a fake L3 tier whose lookups and reads the test answers
+one by one, a fake loop (posted events and timers) and an injected clock.  No sleeps, no threads.
+
+Scenarios in the spirit of FlexKV #291's coordinator suite (read, not copied), then randomized
+completion/stop schedules over many seeds checking the invariants after every step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import random
+
+import pytest
+
+from shm.errors import ErrorCode
+from shm.layout import KVLayout
+from sidecar.clients import ClientInfo
+from sidecar.config import LimitsConfig, SessionsConfig
+from sidecar.core import KVCore
+from sidecar.index import KEY, unpack_ids
+from sidecar.l3.tier import ReadResult
+from sidecar.service import OpError
+from sidecar.sessions import SessionManager
+
+LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4, tp_size=1)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Loop:
+    """sidecar.service.Host over a fake clock: posted events and timers run when the test says."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.clients: dict = {}
+        self.counters = collections.Counter()
+        self.events = collections.deque()
+        self.timers: list = []
+        self._seq = itertools.count()
+
+    def post(self, fn, *args):
+        self.events.append((fn, args))
+
+    def call_at(self, due, fn, *args):
+        heapq.heappush(self.timers, (due, next(self._seq), fn, args))
+
+    def reply(self, conn, rid, result=None, error=None):
+        return True
+
+    def settle(self):
+        """Run posted events and every timer due now, until nothing is left to run."""
+        while True:
+            if self.events:
+                fn, args = self.events.popleft()
+                fn(*args)
+            elif self.timers and self.timers[0][0] <= self.clock.t:
+                _, _, fn, args = heapq.heappop(self.timers)
+                fn(*args)
+            else:
+                return
+
+    def advance(self, dt: float):
+        self.clock.t += dt
+        self.settle()
+
+
+@dataclasses.dataclass
+class Job:
+    state: str = "queued"  # queued -> started | cancelled
+
+    def cancel(self) -> bool:
+        if self.state == "queued":
+            self.state = "cancelled"
+            return True
+        return False
+
+
+@dataclasses.dataclass
+class Read:
+    keys: bytes
+    blocks: bytes
+    done: object
+    priority: int
+    job: Job
+
+
+class Tier:
+    """The L3Tier interface the executor uses; every answer is given by the test."""
+
+    def __init__(self, loop: Loop, holds: set):
+        self.loop = loop
+        self.holds = holds  # keys L3 has
+        self.lookups: list = []
+        self._reads: list[Read] = []
+        self.read_s_per_block = None
+        self.blocks_read = 0
+
+    def lookup(self, ns, chain, done):
+        self.lookups.append((chain, done))
+
+    def load(self, ns, keys, blocks, done, priority=1):
+        r = Read(keys, blocks, done, priority, Job())
+        self._reads.append(r)
+        return r.job
+
+    @property
+    def reads(self) -> list[Read]:
+        """Reads not withdrawn (a cancelled job never runs: the real lane drops it)."""
+        return [r for r in self._reads if r.job.state != "cancelled"]
+
+    # -- the test's side -----------------------------------------------------------------------
+    def answer_lookups(self):
+        while self.lookups:
+            chain, done = self.lookups.pop(0)
+            hits = 0
+            while hits < len(chain) // KEY and chain[hits * KEY:(hits + 1) * KEY] in self.holds:
+                hits += 1
+            self.loop.post(done, hits)  # the real tier answers through post, too
+        self.loop.settle()
+
+    def start(self, r: Read):
+        assert r.job.state == "queued"
+        r.job.state = "started"
+
+    def finish(self, r: Read, ok=None, seconds=0.01):
+        if r.job.state == "queued":
+            r.job.state = "started"
+        assert r.job.state == "started"
+        n = len(r.keys) // KEY
+        ok = [True] * n if ok is None else list(ok)
+        self._reads.remove(r)
+        self.blocks_read += n
+        good = sum(ok)
+        if good:
+            self.read_s_per_block = seconds / n
+        self.loop.post(r.done, ReadResult(ok, seconds))
+        self.loop.settle()
+
+    def run_all(self, ok_fn=None):
+        """Finish every read (in submission order) until none is left."""
+        while self.reads:
+            r = self.reads[0]
+            self.finish(r, None if ok_fn is None else ok_fn(r))
+
+
+class Conn:
+    _tokens = itertools.count(1)
+
+    def __init__(self, group="g", rank=0, size=1, slot=0):
+        self.slot, self.token = slot, next(self._tokens)
+        self.info = ClientInfo(group, rank, size, 4242)
+
+
+class Bench:
+    def __init__(self, blocks=64, reserved=0, pinned=0, **sess):
+        self.clock = Clock()
+        self.loop = Loop(self.clock)
+        bb = LAY.block_bytes
+        limits = LimitsConfig(reserved_bytes_limit=reserved * bb, pinned_bytes_limit=pinned * bb)
+        self.core = KVCore(self.loop, LAY, blocks, limits, clock=self.clock)
+        self.cfg = SessionsConfig(**{"chunk_max_blocks": 4, "window": 2, "retained_ttl_s": 5.0, **sess})
+        self.holds: set = set()
+        self.tier = Tier(self.loop, self.holds)
+        self.sm = SessionManager(self.core, self.tier, self.cfg, clock=self.clock)
+        self.core.connect(after_get=self.sm.handoff)
+        self.core.index.watch_staging(self.sm.key_resolved)
+        self.conn = Conn()
+        self.loop.clients[0] = self.conn
+
+    # helpers ---------------------------------------------------------------------------------
+    def chain(self, name: str, n: int, in_l3: bool = True) -> bytes:
+        keys = [f"{name}:{i}".encode().ljust(KEY, b".")[:KEY] for i in range(n)]
+        if in_l3:
+            self.holds.update(keys)
+        return b"".join(keys)
+
+    def resident(self, chain: bytes, n: int):
+        """Make the first ``n`` blocks of ``chain`` resident (an engine store)."""
+        st = self.core.op_store(self.conn, {"chain": chain[:n * KEY]})
+        self.core.op_commit(self.conn, {"staging": st["staging"]})
+
+    def prefetch(self, req, chain, conn=None, **kw):
+        out = self.sm.op_prefetch(conn or self.conn, {"req": req, "chain": chain, **kw})
+        self.loop.settle()
+        return out
+
+    def poll(self, req, conn=None):
+        return self.sm.op_poll(conn or self.conn, {"req": req})
+
+    def books(self) -> dict:
+        broken = self.core.check() or self.sm.check()
+        assert broken == "", broken
+        idx = self.core.index
+        assert idx.staged <= self.core.pool.reserved_limit_blocks
+        return {"staging": idx.staged, "pinned": idx.pinned, "resident": idx.resident, "free": idx.free,
+                "leases": len(self.core.leases.leases), "orphans": len(self.sm.orphans)}
+
+    def take(self, req, chain):
+        """The engine's GET for ``req`` (hand-off), then its release; returns the count."""
+        r = self.core.op_get(self.conn, {"chain": chain, "req": req})
+        if r["lease"]:
+            self.core.op_release(self.conn, {"lease": r["lease"]})
+        return r["count"]
+
+
+def terminal(b: Bench, req: str) -> dict:
+    p = b.poll(req)
+    assert p["state"] == "terminal", p
+    return p
+
+
+# -- deterministic scenarios ------------------------------------------------------------------
+def test_complete_in_window_order_and_hand_off():
+    b = Bench()
+    c = b.chain("a", 10)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    assert len(b.tier.reads) == 2  # window of 2 chunks of 4
+    b.tier.finish(b.tier.reads[1])  # out of order: waits for chunk 0
+    assert b.poll("r")["published"] == 0
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"], p["restored"]) == ("complete", 10, 10)
+    assert b.books()["leases"] == 1  # the prefetch lease
+    assert b.take("r", c) == 10
+    assert b.books() == {"staging": 0, "pinned": 0, "resident": 10, "free": 54, "leases": 0, "orphans": 0}
+
+
+def test_timeout_while_querying_rolls_back_and_ignores_the_late_answer():
+    b = Bench()
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="timeout", budget_s=0.05)
+    b.loop.advance(0.06)  # the deadline fires before L3 answered
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("timeout", 0)
+    b.tier.answer_lookups()  # late: ignored
+    assert not b.tier.reads and b.books()["staging"] == 0 and b.books()["leases"] == 0
+
+
+def test_abort_during_metadata_has_nothing_to_drain():
+    b = Bench()
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="best_effort")
+    b.sm.op_abort(b.conn, {"req": "r"})
+    p = terminal(b, "r")
+    assert p["status"] == "aborted" and p["drain_ms"] == 0.0
+    b.tier.answer_lookups()
+    assert not b.tier.reads and b.books()["staging"] == 0
+
+
+@pytest.mark.parametrize("fail_at,expect", [(0, 4), (1, 5), (3, 7)])
+def test_partial_second_chunk_never_counts_success_after_the_hole(fail_at, expect):
+    b = Bench()
+    c = b.chain("a", 12)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    first, second = b.tier.reads[0], b.tier.reads[1]
+    b.tier.finish(second, ok=[i != fail_at for i in range(4)])
+    b.tier.finish(first)
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("failed", expect)
+    assert b.core.index.match(c) == expect  # nothing after the hole was published
+    s = b.books()
+    assert s["staging"] == 0 and s["resident"] == expect
+
+
+def test_abort_never_recycles_a_block_whose_read_is_in_flight():
+    b = Bench(blocks=8)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    r0, r1 = b.tier.reads
+    b.tier.start(r0)  # in flight; r1 still queued
+    b.sm.op_abort(b.conn, {"req": "r"})
+    b.loop.settle()
+    assert r1.job.state == "cancelled"  # withdrawn: never touched, freed at once
+    s = b.books()
+    assert s["staging"] == 4 and b.poll("r")["state"] == "draining"
+    # the pool is full of other blocks wanting room: the 4 in-flight blocks are not handed out
+    other = b.chain("o", 8, in_l3=False)
+    st = b.core.op_store(b.conn, {"chain": other})
+    assert set(unpack_ids(st["blocks"])).isdisjoint(unpack_ids(r0.blocks))
+    b.core.op_commit(b.conn, {"staging": st["staging"]})
+    b.tier.finish(r0)
+    p = terminal(b, "r")
+    assert p["status"] == "aborted" and b.books()["staging"] == 0
+
+
+def test_late_read_completion_after_the_drain_budget_becomes_an_orphan_then_publishes():
+    b = Bench(drain_timeout_s=0.2)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="timeout", budget_s=0.05)
+    b.tier.answer_lookups()
+    r0, r1 = b.tier.reads
+    b.tier.start(r0)
+    b.loop.advance(0.06)  # deadline: r1 withdrawn, r0 drains
+    assert b.poll("r")["state"] == "draining"
+    b.loop.advance(0.25)  # drain budget (no read estimate yet: drain_timeout_s) runs out
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("timeout", 0)
+    assert b.books()["orphans"] == 1 and b.books()["staging"] == 4
+    b.tier.finish(r0)  # the read really ends: its landed blocks are published (chain head)
+    s = b.books()
+    assert s["orphans"] == 0 and s["staging"] == 0 and b.core.index.match(c) == 4
+
+
+def test_orphan_whose_parent_was_evicted_is_freed_not_published():
+    b = Bench(drain_timeout_s=0.2)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="timeout", budget_s=0.05, chunk_max_blocks=4)
+    b.tier.answer_lookups()
+    r0, r1 = b.tier.reads
+    b.tier.finish(r0)  # chunk 0 published (pinned by the session)
+    b.tier.start(r1)
+    b.loop.advance(0.06)
+    b.loop.advance(0.25)
+    p = terminal(b, "r")
+    assert p["prefix"] == 4
+    b.sm.op_abort(b.conn, {"req": "r"})  # result lease dropped
+    b.core.op_flush(b.conn, {})  # chunk 0 evicted
+    b.tier.finish(r1)
+    assert b.core.index.match(c) == 0 and b.books()["staging"] == 0
+
+
+def test_retained_result_expires_and_releases_its_pins():
+    b = Bench()
+    c = b.chain("a", 4)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    assert b.books()["pinned"] == 4
+    b.loop.advance(5.1)  # retained_ttl_s
+    assert b.books()["pinned"] == 0 and b.books()["leases"] == 0
+    assert b.poll("r")["state"] == "unknown"  # forgotten
+
+
+def test_capacity_stop_under_the_pinned_limit_does_not_deadlock():
+    b = Bench(pinned=6)
+    c = b.chain("a", 16)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert (p["status"], p["reason"]) == ("failed", "limit") and p["prefix"] == 6
+    assert b.core.pool.refusals["pinned"] >= 1
+    assert b.take("r", c) == 6 and b.books()["pinned"] == 0
+
+
+def test_capacity_stop_under_the_reserved_limit():
+    b = Bench(reserved=3)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    assert sum(len(r.keys) // KEY for r in b.tier.reads) == 3
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert p["reason"] == "limit" and p["prefix"] == 3 and b.core.pool.refusals["reserved"] >= 1
+
+
+def test_allocator_stop_when_everything_is_pinned():
+    b = Bench(blocks=8, reserved=1000, pinned=1000)  # limits above the pool: the allocator binds
+    other = b.chain("o", 6, in_l3=False)
+    b.resident(other, 6)
+    held = b.core.op_get(b.conn, {"chain": other})
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert p["prefix"] == 2 and b.core.pool.refusals["allocator"] >= 1
+    b.core.op_release(b.conn, {"lease": held["lease"]})
+    assert b.take("r", c) == 2 and b.books()["pinned"] == 0
+
+
+def test_fairness_demanded_session_reads_first():
+    b = Bench()
+    x, y = b.chain("x", 8), b.chain("y", 8)
+    b.prefetch("x", x, policy="best_effort")
+    b.prefetch("y", y, policy="best_effort")
+    b.tier.answer_lookups()
+    assert [r.priority for r in b.tier.reads] == [1, 1, 1, 1]
+    b.sm.op_demand(b.conn, {"req": "y"})  # y is now a scheduling candidate: it stops claiming
+    b.loop.settle()
+    p = terminal(b, "y") if b.poll("y")["state"] == "terminal" else None
+    assert p is None or p["status"] == "demanded"
+    b.tier.run_all()
+    assert terminal(b, "x")["status"] == "complete" and terminal(b, "y")["status"] == "demanded"
+
+
+def test_two_sessions_share_blocks_and_read_them_once():
+    b = Bench()
+    c = b.chain("a", 8)
+    b.prefetch("x", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.prefetch("y", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    assert terminal(b, "x")["prefix"] == terminal(b, "y")["prefix"] == 8
+    assert b.tier.blocks_read == 8 and b.sm.counters["blocks_deduplicated"] > 0
+    assert b.take("x", c) == 8 and b.take("y", c) == 8 and b.books()["pinned"] == 0
+
+
+def test_best_effort_demand_stops_and_timeout_ignores_demand():
+    b = Bench()
+    c, d = b.chain("a", 12), b.chain("d", 12)
+    b.prefetch("be", c, policy="best_effort")
+    b.prefetch("to", d, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.sm.op_demand(b.conn, {"req": "be"})
+    b.sm.op_demand(b.conn, {"req": "to"})
+    b.loop.settle()
+    b.tier.run_all()
+    be, to = terminal(b, "be"), terminal(b, "to")
+    assert be["status"] == "demanded" and be["prefix"] < 12
+    assert to["status"] == "complete" and to["prefix"] == 12
+
+
+def test_wait_complete_is_one_read():
+    b = Bench()
+    c = b.chain("a", 20)
+    b.prefetch("r", c, policy="wait_complete")
+    b.tier.answer_lookups()
+    assert len(b.tier.reads) == 1 and len(b.tier.reads[0].keys) // KEY == 20
+    b.loop.advance(100.0)
+    b.sm.op_demand(b.conn, {"req": "r"})
+    b.tier.run_all()
+    assert terminal(b, "r")["prefix"] == 20
+
+
+def test_l3_miss_is_no_hit_and_resident_prefix_counts():
+    b = Bench()
+    c = b.chain("a", 8, in_l3=False)
+    b.resident(c, 3)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("no_hit", 3)
+    assert b.take("r", c) == 3 and b.books()["pinned"] == 0
+
+
+def test_fully_resident_needs_no_query():
+    b = Bench()
+    c = b.chain("a", 6)
+    b.resident(c, 6)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    assert not b.tier.lookups
+    assert terminal(b, "r")["status"] == "complete"
+
+
+def test_checkpoints_bound_the_prefix():
+    b = Bench()
+    c = b.chain("a", 12)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0, checkpoint_every=5)
+    b.tier.answer_lookups()
+    b.tier.run_all(ok_fn=lambda r: [True] * (len(r.keys) // KEY) if r.keys[:1] != b"a" or b"a:8" not in r.keys
+                   else [k != 0 for k in range(len(r.keys) // KEY)])
+    p = terminal(b, "r")
+    assert p["prefix"] == 5  # block 8 failed -> 8 published, the prefix ends on the checkpoint at 5
+
+
+def test_client_gone_aborts_the_groups_sessions():
+    b = Bench()
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    r0 = b.tier.reads[0]
+    b.tier.start(r0)
+    del b.loop.clients[0]
+    b.sm.client_gone(b.conn)
+    b.core.client_gone(b.conn)
+    assert b.poll("r")["state"] == "draining"
+    b.tier.finish(r0)
+    assert terminal(b, "r")["status"] == "aborted" and b.books()["pinned"] == 0
+
+
+def test_one_session_per_group_request_attempt():
+    b = Bench()
+    c = b.chain("a", 4)
+    first = b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    again = b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    other_attempt = b.prefetch("r", c, policy="timeout", budget_s=30.0, attempt=1)
+    other_group = b.prefetch("r", c, conn=Conn(group="h", slot=1), policy="timeout", budget_s=30.0)
+    assert again["session"] == first["session"] and again["existed"]
+    assert len({first["session"], other_attempt["session"], other_group["session"]}) == 3
+
+
+def test_bad_policy_and_unknown_request_are_typed_errors():
+    b = Bench()
+    with pytest.raises(OpError):
+        b.prefetch("r", b.chain("a", 4), policy="nope")
+    with pytest.raises(OpError):
+        b.sm.op_demand(b.conn, {"req": "never"})
+    assert b.sm.op_abort(b.conn, {"req": "never"}) == {"state": "unknown"}  # idempotent
+
+
+def test_shared_block_waiter_sees_the_owners_failure():
+    b = Bench()
+    c = b.chain("a", 4)
+    b.prefetch("x", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.prefetch("y", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.tier.finish(b.tier.reads[0], ok=[True, False, True, True])
+    b.tier.run_all()
+    assert terminal(b, "x")["prefix"] == terminal(b, "y")["prefix"] == 1
+    assert b.books()["staging"] == 0
+
+
+@pytest.mark.parametrize("policy", ["timeout", "best_effort", "wait_complete"])
+@pytest.mark.parametrize("stop", ["abort", "demand", "deadline"])
+def test_every_policy_and_stop_leaves_the_books_exact(policy, stop):
+    b = Bench()
+    c = b.chain("a", 16)
+    b.prefetch("r", c, policy=policy, budget_s=0.5 if policy == "timeout" else None)
+    b.tier.answer_lookups()
+    b.tier.finish(b.tier.reads[0])
+    if stop == "abort":
+        b.sm.op_abort(b.conn, {"req": "r"})
+    elif stop == "demand":
+        b.sm.op_demand(b.conn, {"req": "r"})
+    else:
+        b.loop.advance(1.0)
+    b.loop.settle()
+    b.tier.run_all()
+    p = terminal(b, "r")
+    b.take("r", c)
+    b.sm.op_abort(b.conn, {"req": "r"})
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+    assert p["prefix"] == b.core.index.match(c) or p["status"] == "aborted"
+
+
+# -- randomized schedules ---------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(60))
+def test_random_schedules_keep_the_invariants(seed):
+    rng = random.Random(seed)
+    b = Bench(blocks=rng.choice([12, 24, 48]), pinned=rng.choice([0, 0, 10]), reserved=rng.choice([0, 0, 6]),
+              chunk_max_blocks=rng.choice([1, 2, 4]), window=rng.choice([1, 2, 3]), drain_timeout_s=0.3)
+    chains = [b.chain(f"c{i}", rng.randint(2, 10), in_l3=rng.random() < 0.9) for i in range(3)]
+    shared = chains[0][:4 * KEY]
+    chains.append(shared + b"".join(f"s:{i}".encode().ljust(KEY, b".") for i in range(4)))
+    b.holds.update(chains[3][i * KEY:(i + 1) * KEY] for i in range(8))
+    reqs = {}
+    left = set()  # requests aborted (their result, if any, is released: no longer pinned)
+    for step in range(120):
+        r = rng.random()
+        if r < 0.2 and len(reqs) < 6:
+            req = f"r{step}"
+            chain = rng.choice(chains)
+            policy = rng.choice(["timeout", "best_effort", "wait_complete"])
+            b.prefetch(req, chain, policy=policy, budget_s=rng.choice([0.01, 0.1, 5.0]) if policy == "timeout" else None)
+            reqs[req] = chain
+        elif r < 0.35:
+            b.tier.answer_lookups()
+        elif r < 0.6 and b.tier.reads:
+            rd = rng.choice(b.tier.reads)
+            if rng.random() < 0.3 and rd.job.state == "queued":
+                b.tier.start(rd)
+            else:
+                n = len(rd.keys) // KEY
+                b.tier.finish(rd, ok=[rng.random() > 0.1 for _ in range(n)], seconds=rng.uniform(0.001, 0.05))
+        elif r < 0.7 and reqs:
+            req = rng.choice(list(reqs))
+            b.sm.op_abort(b.conn, {"req": req})
+            left.add(req)
+        elif r < 0.8 and reqs:
+            req = rng.choice(list(reqs))
+            if b.poll(req)["state"] != "unknown":
+                b.sm.op_demand(b.conn, {"req": req})
+        elif r < 0.9 and reqs:
+            req = rng.choice(list(reqs))
+            if b.poll(req)["state"] == "terminal":
+                try:
+                    b.take(req, reqs[req])
+                    reqs.pop(req)
+                except OpError as exc:  # a GET over the pinned limit is a typed refusal: recompute
+                    assert exc.code == ErrorCode.LIMIT
+        else:
+            b.loop.advance(rng.uniform(0.0, 0.2))
+        b.loop.settle()
+        b.books()  # books exact, reserved within its limit, after every step
+        for req, chain in reqs.items():
+            p = b.poll(req)
+            if p["state"] == "terminal" and p["prefix"] and req not in left:
+                assert b.core.index.match(chain) >= p["prefix"]  # the result is resident (pinned)
+    # drain everything: answer, finish, abort, expire
+    b.tier.answer_lookups()
+    for req in list(reqs):
+        b.sm.op_abort(b.conn, {"req": req})
+    b.loop.settle()
+    b.tier.run_all()
+    b.loop.advance(10.0)
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0 and s["orphans"] == 0
+    assert s["free"] + s["resident"] == b.core.index.num_blocks  # every block FREE or RESIDENT
