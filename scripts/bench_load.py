@@ -58,7 +58,7 @@ def _bench_load(quick: bool) -> dict:
 
 class _FakeConn:
     def __init__(self):
-        from sidecar.clients import ClientInfo
+        from sidecar.runtime.clients import ClientInfo
 
         self.slot, self.token = 0, 1
         self.info = ClientInfo("bench", 0, 1, os.getpid())
@@ -67,7 +67,7 @@ class _FakeConn:
 def _bench_get_release(quick: bool) -> dict:
     """Sidecar CPU of the get and release handlers themselves (no transport), 512 blocks."""
     from sidecar.config import load_config
-    from sidecar.core import KVCore
+    from sidecar.kv.ops import KVCore
 
     class _Host:  # sidecar.service.Host: what a service may use of the loop (no loop here)
         clients: dict = {}
@@ -104,7 +104,7 @@ def _bench_get_release(quick: bool) -> dict:
 
 def _bench_index_memory(quick: bool) -> dict:
     from native.blockindex import BlockIndex
-    from sidecar.index import unpack_ids
+    from sidecar.kv.index import unpack_ids
 
     n = 200_000 if quick else 1_000_000
     index = BlockIndex(n)
@@ -202,6 +202,6 @@ def _bench_teardown(quick: bool) -> dict:
 
 
 def _hugetlbfs_dir(size: int):
-    from sidecar.pool_memory import hugetlbfs_mount
+    from sidecar.kv.pool_memory import hugetlbfs_mount
 
     return hugetlbfs_mount(size)

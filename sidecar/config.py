@@ -29,7 +29,7 @@ class TransportConfig:
 
 @dataclasses.dataclass
 class PoolConfig:
-    """The CPU pool (see ``sidecar.pool_memory``)."""
+    """The CPU pool (see ``sidecar.kv.pool_memory``)."""
 
     num_blocks: int = 1024
     # how the pages are allocated at start: "write" (zeros through the file; the sidecar maps

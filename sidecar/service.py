@@ -10,7 +10,7 @@ A service (KV ops, L3 ops, prefetch sessions, later metrics) is an object with:
 * ``stats()`` → a dict merged into the sidecar's snapshot;
 * ``check()`` → ``""`` when its accounting invariants hold, else what broke.
 
-Services never import the loop (``sidecar.server``): they get what they need of it — ``post``,
+Services never import the loop (``sidecar.runtime.loop``): they get what they need of it — ``post``,
 ``call_at``, ``reply``, the client table — through the :class:`Host` they are given.  Handlers
 run on the control thread and own their state without locks.
 """

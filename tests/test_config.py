@@ -3,7 +3,7 @@
 import pytest
 
 from sidecar.config import ConfigError, load_config
-from sidecar.launcher import parse_overrides
+from sidecar.app import parse_overrides
 
 
 def test_toml_and_overrides(tmp_path):

@@ -5,10 +5,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shm.errors import ErrorCode
-from sidecar.index import PoolError, PrefixIndex, pack_ids, unpack_ids
-from sidecar.leases import LeaseError, LeaseTable
-from sidecar.admission import PoolManager, Refusal
-from sidecar.staging import StagingTable
+from sidecar.kv.index import PoolError, PrefixIndex, pack_ids, unpack_ids
+from sidecar.kv.leases import LeaseError, LeaseTable
+from sidecar.kv.admission import PoolManager, Refusal
+from sidecar.kv.staging import StagingTable
 
 
 def key(*path) -> bytes:

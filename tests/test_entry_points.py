@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_console_scripts_resolve_to_mains():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"kvsidecar-launch": "sidecar.launcher:main", "kvsidecar-inspect": "sidecar.inspector:main"}
+    assert scripts == {"kvsidecar-launch": "sidecar.app:main", "kvsidecar-inspect": "sidecar.inspector:main"}
     for target in scripts.values():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), target

@@ -18,13 +18,13 @@ import pytest
 
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
-from sidecar.clients import ClientInfo
+from sidecar.runtime.clients import ClientInfo
 from sidecar.config import LimitsConfig, SessionsConfig
-from sidecar.core import KVCore
-from sidecar.index import KEY, unpack_ids
+from sidecar.kv.ops import KVCore
+from sidecar.kv.index import KEY, unpack_ids
 from sidecar.l3.tier import ReadResult
 from sidecar.service import OpError
-from sidecar.sessions import SessionManager
+from sidecar.prefetch.executor import SessionManager
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4, tp_size=1)
 

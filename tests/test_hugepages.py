@@ -7,7 +7,7 @@ import torch
 
 from connector.kv_client import KVConnector
 from shm.layout import KVLayout
-from sidecar.pool_memory import HUGE_PAGE, hugetlbfs_mount
+from sidecar.kv.pool_memory import HUGE_PAGE, hugetlbfs_mount
 
 
 @pytest.fixture

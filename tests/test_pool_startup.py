@@ -23,7 +23,7 @@ from shm.errors import SegmentError
 from shm.layout import KVLayout
 from shm.segment import Segment, unlink_segment
 from sidecar.config import ConfigError, load_config
-from sidecar.pool_memory import create_pool_segment
+from sidecar.kv.pool_memory import create_pool_segment
 from sidecar.spawn import child_env, launcher_argv
 
 MiB = 1 << 20
@@ -54,7 +54,7 @@ def _shm_allocated(name: str) -> int:
 ])
 def test_pool_allocation_modes(instance, mode, allocated, mapped, caplog):
     size = 8 * MiB
-    with caplog.at_level(logging.INFO, logger="sidecar.pool_memory"):
+    with caplog.at_level(logging.INFO, logger="sidecar.kv.pool_memory"):
         seg = create_pool_segment(_cfg(instance, **{"pool.populate": mode, "pool.populate_threads": 2}), size)
     try:
         assert seg.size == size and seg.page_size == P.PAGE
@@ -105,7 +105,7 @@ def test_failed_init_removes_the_segment(instance):
 def test_hugepages_auto_falls_back_with_a_log_line(instance, caplog):
     if P.hugepages_available() >= 2 * MiB:
         pytest.skip("this machine has free huge pages: auto uses them")
-    with caplog.at_level(logging.INFO, logger="sidecar.pool_memory"):
+    with caplog.at_level(logging.INFO, logger="sidecar.kv.pool_memory"):
         seg = create_pool_segment(_cfg(instance, **{"pool.hugepages": "auto"}), 4 * MiB)
     try:
         assert seg.name == f"/{instance}.pool" and seg.page_size == P.PAGE

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.session import (
+from sidecar.prefetch.machine import (
     Abort,
     ChunkAbandoned,
     ChunkDone,

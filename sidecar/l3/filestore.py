@@ -21,7 +21,7 @@ import threading
 
 from native.hashing import murmur3_128
 
-from .base import L3Backend
+from sidecar.l3.base import L3Backend
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import random
 import threading
 import time
 
-from .base import L3Backend
+from sidecar.l3.base import L3Backend
 
 
 class ShapedBackend(L3Backend):

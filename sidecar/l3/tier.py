@@ -13,9 +13,9 @@ import dataclasses
 import logging
 import time
 
-from ..index import KEY, unpack_ids
-from .base import L3Backend
-from .workers import Lane
+from sidecar.kv.index import KEY, unpack_ids
+from sidecar.l3.base import L3Backend
+from sidecar.l3.workers import Lane
 
 log = logging.getLogger(__name__)
 

@@ -96,14 +96,19 @@ def attacker(instance: str, seed: int, stop, conn) -> None:
                         break
                 stop.wait(0.002)
             if ctl.slot_state(slot)[1] != SLOT_FREE:
-                # an answered (not dropped) slot: leave cleanly through a legal detach
+                # an answered (not dropped) slot: leave through one legal detach.  The sidecar
+                # frees the slot only after we consumed the detach ack, so stop touching the
+                # rings the moment it arrives (the slot may be the victim's right after).
+                sub.try_push(protocol.encode({"v": 1, "op": "detach", "id": 7_000_000}))
+                ctl.sidecar_doorbell.ring()
                 deadline = time.monotonic() + 2.0
-                while ctl.slot_state(slot)[1] != SLOT_FREE and time.monotonic() < deadline:
-                    sub.try_push(protocol.encode({"v": 1, "op": "detach", "id": 7}))
+                acked = False
+                while not acked and time.monotonic() < deadline:
+                    for frame in comp.pop_batch(1000):
+                        acked = acked or protocol.decode_completion(frame)["id"] == 7_000_000
                     ctl.sidecar_doorbell.ring()
-                    comp.pop_batch(1000)
-                    ctl.sidecar_doorbell.ring()
-                    stop.wait(0.005)
+                    if not acked:
+                        stop.wait(0.002)
             stop.wait(0.005)  # pacing: the attacker must not simply eat the 2 cores
     finally:
         conn.send({"done": done, "dropped": dropped, "answered": answered})

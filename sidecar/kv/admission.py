@@ -32,8 +32,8 @@ import dataclasses
 
 from shm.errors import ErrorCode
 
-from .index import KEY, PrefixIndex, unpack_ids
-from .leases import Lease, LeaseTable
+from sidecar.kv.index import KEY, PrefixIndex, unpack_ids
+from sidecar.kv.leases import Lease, LeaseTable
 
 
 @dataclasses.dataclass(frozen=True)

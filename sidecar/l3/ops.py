@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 
-from .core import KVCore
-from .admission import Refusal
-from .index import KEY
-from .l3.tier import L3Tier
-from .service import DEFERRED, Service
+from sidecar.kv.ops import KVCore
+from sidecar.kv.admission import Refusal
+from sidecar.kv.index import KEY
+from sidecar.l3.tier import L3Tier
+from sidecar.service import DEFERRED, Service
 
 
 class L3Ops(Service):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .deadlines import DeadlineHeap
+from sidecar.deadlines import DeadlineHeap
 
 
 @dataclasses.dataclass

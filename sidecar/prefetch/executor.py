@@ -27,11 +27,11 @@ import time
 
 from shm.errors import ErrorCode
 
-from .core import KVCore
-from .index import KEY, pack_ids
-from .l3.tier import L3Tier
-from .service import OpError, Service
-from .session import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
+from sidecar.kv.ops import KVCore
+from sidecar.kv.index import KEY, pack_ids
+from sidecar.l3.tier import L3Tier
+from sidecar.service import OpError, Service
+from sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
                       Params, Policy, Publish, Query, QueryDone, Session, Start, State, Tick)
 
 log = logging.getLogger(__name__)
@@ -557,6 +557,6 @@ class SessionManager(Service):
 
 
 def _unpack(blob: bytes) -> list:
-    from .index import unpack_ids
+    from sidecar.kv.index import unpack_ids
 
     return list(unpack_ids(blob))

@@ -14,12 +14,12 @@ import time
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
-from .decisions import DecisionBook
-from .index import PrefixIndex
-from .leases import LeaseError, LeaseTable
-from .service import Host, OpError, Service
-from .admission import PoolManager, Refusal
-from .staging import StagingTable
+from sidecar.kv.decisions import DecisionBook
+from sidecar.kv.index import PrefixIndex
+from sidecar.kv.leases import LeaseError, LeaseTable
+from sidecar.service import Host, OpError, Service
+from sidecar.kv.admission import PoolManager, Refusal
+from sidecar.kv.staging import StagingTable
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class KVCore(Service):
         # Ranks of a group that left (died or detached) and have not attached again: a
         # group lease made now is not held on their behalf (nobody would release it).
         self.departed: dict[str, set] = {}
-        # collaborators wired once by the composition root (sidecar.launcher): what follows a
+        # collaborators wired once by the composition root (sidecar.app): what follows a
         # published engine store (L3 write-behind) and a GET (the prefetch result hand-off)
         self._after_publish = None
         self._after_get = None

@@ -26,14 +26,14 @@ from shm.deathword import DEATH_WORD_OFFSET
 from shm.errors import SegmentError
 from shm.segment import Segment, segment_exists, unlink_segment
 
-from .config import SidecarConfig, load_config
-from .core import KVCore
-from .l3.base import L3Error
-from .l3.tier import L3Tier
-from .l3ops import L3Ops
-from .sessions import SessionManager
-from .pool_memory import StartupInterrupted, create_pool_segment
-from .server import Sidecar
+from sidecar.config import SidecarConfig, load_config
+from sidecar.kv.ops import KVCore
+from sidecar.l3.base import L3Error
+from sidecar.l3.tier import L3Tier
+from sidecar.l3.ops import L3Ops
+from sidecar.prefetch.executor import SessionManager
+from sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment
+from sidecar.runtime.loop import Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,8 @@ def _rss_summary() -> str:
 
 def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
     """The configured L3 backend (wrapped for shaping/faults when asked), or None."""
-    from .l3.filestore import FileStore
-    from .l3.shaped import ShapedBackend
+    from sidecar.l3.filestore import FileStore
+    from sidecar.l3.shaped import ShapedBackend
 
     c = cfg.l3
     if c.backend == "none":
@@ -207,8 +207,8 @@ def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
         backend = FileStore(c.file_dir or os.path.join(cfg.run_dir, f"{cfg.instance}-l3"), c.file_cap_bytes,
                             c.file_fsync)
     else:
-        from .l3.master import MooncakeMaster
-        from .l3.mooncake import MooncakeBackend
+        from sidecar.l3.master import MooncakeMaster
+        from sidecar.l3.mooncake import MooncakeBackend
 
         master = c.mooncake_master
         if c.spawn_local_master:

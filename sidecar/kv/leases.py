@@ -23,8 +23,8 @@ import itertools
 
 from shm.errors import ErrorCode
 
-from .deadlines import DeadlineHeap
-from .index import PrefixIndex, unpack_ids
+from sidecar.deadlines import DeadlineHeap
+from sidecar.kv.index import PrefixIndex, unpack_ids
 
 LEASE_ID_BASE = 1 << 40  # ids are namespaced by kind: leases here, staging ids elsewhere
 

@@ -3,7 +3,7 @@
 No I/O, no clock of its own (every event carries ``now``), no knowledge of pools or
 L3 — in the spirit of h11: typed events in (:meth:`Session.handle`), typed actions out;
 an event the state does not allow raises :class:`IllegalEvent`.  The control thread
-(``sidecar.sessions``) feeds events and carries out the actions.  Positions are block indices in the request's chain.
+(``sidecar.prefetch.executor``) feeds events and carries out the actions.  Positions are block indices in the request's chain.
 
 ::
 

@@ -32,10 +32,10 @@ from shm.control import (
 from shm.errors import ErrorCode, ProtocolError
 from shm.ring import Oversize, RingCorrupted
 
-from .clients import ClientConn, ClientInfo
-from .config import SidecarConfig
-from .liveness import LivenessMonitor
-from .service import DEFERRED, OpError, Service
+from sidecar.runtime.clients import ClientConn, ClientInfo
+from sidecar.config import SidecarConfig
+from sidecar.runtime.liveness import LivenessMonitor
+from sidecar.service import DEFERRED, OpError, Service
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Prefetch sessions: the pure lifecycle machine and its executor."""

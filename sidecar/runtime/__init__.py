@@ -1,0 +1,1 @@
+"""The control loop, its clients and their liveness."""
