@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import time
 
+from shm.chain import length as chain_len, span as chain_span
 from shm.errors import KvSidecarError
 from shm.layout import KVLayout
 
@@ -203,10 +204,10 @@ class EngineAdapter:
     def store_after_prefill(self, req: str, token_ids, pages: list, step: int) -> int:
         """Offer the request's full blocks (engine pages in chain order) to the pool (and L3)."""
         chain = self.chain(req, token_ids)
-        n = min(len(chain) // 16, len(pages))
+        n = min(chain_len(chain), len(pages))
         if n == 0:
             return 0
-        st = self._call(lambda: self.conn.store(chain[:n * 16], l3=self.cfg.store_to_l3, req=req, step=step), None)
+        st = self._call(lambda: self.conn.store(chain_span(chain, 0, n), l3=self.cfg.store_to_l3, req=req, step=step), None)
         if st is None or not st.count:
             return 0
         try:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import array
 
 from native.hashing import chain_hashes, murmur3_128
+from shm.chain import KEY_BYTES
 from shm.layout import KVLayout
 
-KEY_BYTES = 16
 
 
 class BlockHasher:

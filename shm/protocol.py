@@ -21,10 +21,10 @@ import msgpack
 
 from native.hashing import first_duplicate
 
+from .chain import KEY_BYTES
 from .errors import ErrorCode, ProtocolError
 
 PROTOCOL_VERSION = 1
-KEY_BYTES = 16
 _MAX_ID = 2**63 - 1
 
 

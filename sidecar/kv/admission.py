@@ -32,7 +32,8 @@ import dataclasses
 
 from shm.errors import ErrorCode
 
-from sidecar.kv.index import KEY, PrefixIndex, unpack_ids
+from shm.chain import count as id_count, key as chain_key, length as chain_len, span as chain_span
+from sidecar.kv.index import PrefixIndex, unpack_ids
 from sidecar.kv.leases import Lease, LeaseTable
 
 
@@ -57,7 +58,7 @@ class StagePlan:
 
     @property
     def count(self) -> int:
-        return len(self.blocks) // 4
+        return id_count(self.blocks)
 
 
 class PoolManager:
@@ -96,10 +97,10 @@ class PoolManager:
         """Stage the run of ``chain`` from ``start`` (the resident prefix length) up to the first
         key someone else is staging, at most ``limit`` blocks.  An empty run is an empty plan."""
         idx = self.index
-        total = len(chain) // KEY
+        total = chain_len(chain)
         end = total if limit is None else min(total, start + limit)
         stop = start
-        while stop < end and chain[stop * KEY:(stop + 1) * KEY] not in idx.staging:
+        while stop < end and chain_key(chain, stop) not in idx.staging:
             stop += 1  # blocks being staged by another writer are not written twice: stop there
         want = stop - start
         if want <= 0:
@@ -118,10 +119,10 @@ class PoolManager:
             if prefix_lease is not None:
                 self.leases.drop(prefix_lease, f"{purpose}_refused")
             return self.refuse("allocator", "pool full: every block is pinned or staging")
-        plan = StagePlan(purpose, chain[start * KEY:(start + len(blocks) // 4) * KEY], start, blocks, parent,
+        plan = StagePlan(purpose, chain_span(chain, start, start + id_count(blocks)), start, blocks, parent,
                          prefix_lease)
         for i, b in enumerate(unpack_ids(blocks)):
-            idx.stage(plan.chain[i * KEY:(i + 1) * KEY], b)
+            idx.stage(chain_key(plan.chain, i), b)
         return plan
 
     def complete(self, plan: StagePlan, ok) -> int:
@@ -135,7 +136,7 @@ class PoolManager:
         idx = self.index
         parent = plan.parent
         for i, b in enumerate(unpack_ids(plan.blocks)):
-            key = plan.chain[i * KEY:(i + 1) * KEY]
+            key = chain_key(plan.chain, i)
             if i < n:
                 idx.publish(key, b, parent)
                 parent = b
@@ -150,7 +151,7 @@ class PoolManager:
             raise ValueError("stage plan already ended")
         idx = self.index
         for i, b in enumerate(unpack_ids(plan.blocks)):
-            idx.drop_staging(plan.chain[i * KEY:(i + 1) * KEY], b)
+            idx.drop_staging(chain_key(plan.chain, i), b)
         self._end(plan, reason)
 
     def _end(self, plan: StagePlan, reason: str) -> None:

@@ -15,23 +15,15 @@ sees it is already being written; they are invisible to lookups.
 
 from __future__ import annotations
 
-import array
 
+from shm.chain import KEY_BYTES, pack_ids, unpack_ids  # noqa: F401 (re-exported)
 from native.blockindex import FREE, RESIDENT, STAGING, BlockIndex, IndexError_
 
-KEY = 16
+KEY = KEY_BYTES  # (the chain layout lives in shm.chain)
 STATE_NAMES = {FREE: "free", STAGING: "staging", RESIDENT: "resident"}
 PoolError = IndexError_
 
 
-def unpack_ids(blob: bytes) -> array.array:
-    a = array.array("I")
-    a.frombytes(blob)
-    return a
-
-
-def pack_ids(ids) -> bytes:
-    return array.array("I", ids).tobytes()
 
 
 class PrefixIndex:

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import itertools
 
+from shm.chain import count as id_count
 from shm.errors import ErrorCode
 
 from sidecar.deadlines import DeadlineHeap
@@ -49,7 +50,7 @@ class Lease:
 
     @property
     def count(self) -> int:
-        return len(self.blocks) // 4
+        return id_count(self.blocks)
 
 
 class LeaseTable:

@@ -11,6 +11,7 @@ import collections
 import logging
 import time
 
+from shm.chain import count as id_count
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
@@ -214,7 +215,7 @@ class KVCore(Service):
         done = self.staging.commit(st, conn.info.rank)
         if done and self._after_publish is not None:
             self._after_publish(st)
-        return {"published": done, "pending": len(st.writers), "count": len(st.blocks) // 4 if done else 0}
+        return {"published": done, "pending": len(st.writers), "count": id_count(st.blocks) if done else 0}
 
     def op_flush(self, conn, msg) -> dict:
         """Evict every unpinned resident block (the engine's ``/flush_cache`` for this tier)."""

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import time
 
+from shm.chain import count as id_count, length as chain_len, span as chain_span
 from sidecar.kv.ops import KVCore
 from sidecar.kv.admission import Refusal
-from sidecar.kv.index import KEY
 from sidecar.l3.tier import L3Tier
 from sidecar.service import DEFERRED, Service
 
@@ -44,7 +44,7 @@ class L3Ops(Service):
     def write_behind(self, st) -> None:
         if not st.l3:
             return
-        n = len(st.blocks) // 4
+        n = id_count(st.blocks)
         if self.put_backlog and self.put_backlog + n > self.max_put_backlog:  # (one store always fits)
             self.counters["l3_put_skipped_blocks"] += n  # L3 is behind: keep it in the pool only
             return
@@ -65,12 +65,12 @@ class L3Ops(Service):
     # -- restore --------------------------------------------------------------------------------
     def op_restore(self, conn, msg):
         chain, ns = msg["chain"], msg.get("ns") or ""
-        total = len(chain) // KEY
+        total = chain_len(chain)
         resident = self.core.index.match(chain)
         if resident == total:
             return {"restored": 0, "resident": resident, "l3_hits": 0}
         rid = msg["id"]
-        self.tier.lookup(ns, chain[resident * KEY:],
+        self.tier.lookup(ns, chain_span(chain, resident),
                          lambda hits: self._stage(conn, rid, chain, ns, resident, hits))
         return DEFERRED
 

@@ -13,7 +13,8 @@ import dataclasses
 import logging
 import time
 
-from sidecar.kv.index import KEY, unpack_ids
+from shm.chain import count as id_count, keys as chain_keys
+from sidecar.kv.index import unpack_ids
 from sidecar.l3.base import L3Backend
 from sidecar.l3.workers import Lane
 
@@ -57,7 +58,7 @@ class L3Tier:
 
     def keys(self, ns: str, chain: bytes) -> list[str]:
         p = f"{self.prefix}/{ns}/"
-        return [p + chain[i:i + KEY].hex() for i in range(0, len(chain), KEY)]
+        return [p + k.hex() for k in chain_keys(chain)]
 
     def addrs(self, blocks: bytes) -> list[int]:
         base, bb = self.pool_address, self.block_bytes
@@ -83,7 +84,7 @@ class L3Tier:
 
     def load(self, ns: str, chain: bytes, blocks: bytes, done, priority: int = 1):
         """Read ``chain``'s blocks into pool ``blocks``; ``done(ReadResult)`` on the control thread."""
-        keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), len(blocks) // 4
+        keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), id_count(blocks)
         size = self.block_bytes
 
         def work():
@@ -106,7 +107,7 @@ class L3Tier:
 
     def store(self, ns: str, chain: bytes, blocks: bytes, done) -> None:
         """Write pool ``blocks`` under ``chain``'s keys; ``done(per_block_ok)``."""
-        keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), len(blocks) // 4
+        keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), id_count(blocks)
         size = self.block_bytes
 
         def finish(ok, error):

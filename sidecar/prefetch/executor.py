@@ -27,8 +27,9 @@ import time
 
 from shm.errors import ErrorCode
 
+from shm.chain import key as chain_key, length as chain_len, span as chain_span
 from sidecar.kv.ops import KVCore
-from sidecar.kv.index import KEY, pack_ids
+from sidecar.kv.index import pack_ids
 from sidecar.l3.tier import L3Tier
 from sidecar.service import OpError, Service
 from sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
@@ -123,7 +124,7 @@ class SessionManager(Service):
         except ValueError:
             raise OpError(ErrorCode.BAD_FIELD, f"unknown policy {policy!r}") from None
         chain = msg["chain"]
-        total = len(chain) // KEY
+        total = chain_len(chain)
         now = self.clock()
         resident = self.index.match(chain)
         tokens = msg.get("tokens") or total * self.core.layout.tokens_per_block
@@ -262,7 +263,7 @@ class SessionManager(Service):
                 self.orphans[(sid, chunk)] = Orphan(rec.chain, io)  # the read still owns its blocks
             else:  # our part (if any) landed; only a shared block is late: free ours now
                 for pos, b in io.own_blocks.items():
-                    self.index.drop_staging(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+                    self.index.drop_staging(chain_key(rec.chain, pos), b)
                     self.outstanding_staging -= 1
                 io.own_blocks.clear()
             rec.abandoned += 1
@@ -279,8 +280,8 @@ class SessionManager(Service):
         idx, chain, io = self.index, orphan.chain, orphan.io
         for pos, good in zip(sorted(io.own_blocks), ok):
             b = io.own_blocks[pos]
-            key = chain[pos * KEY:(pos + 1) * KEY]
-            parent = idx.find(chain[(pos - 1) * KEY:pos * KEY]) if pos else -1
+            key = chain_key(chain, pos)
+            parent = idx.find(chain_key(chain, pos - 1)) if pos else -1
             self.outstanding_staging -= 1
             if good and (pos == 0 or parent >= 0):
                 idx.publish(key, b, parent)
@@ -327,7 +328,7 @@ class SessionManager(Service):
             if not io.reading or io.shared_ok or io.job is None or not io.job.cancel():
                 continue
             for pos, b in list(io.own_blocks.items()):
-                self.index.drop_staging(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+                self.index.drop_staging(chain_key(rec.chain, pos), b)
                 self.outstanding_staging -= 1
             for off, kind in enumerate(io.kinds):
                 pos = io.start + off
@@ -342,7 +343,7 @@ class SessionManager(Service):
         if self.tier is None:
             self.sidecar.post(self._query_done, rec.id, 0)
             return
-        self.tier.lookup(rec.ns, rec.chain[a.start * KEY:], lambda hits: self._query_done(rec.id, hits))
+        self.tier.lookup(rec.ns, chain_span(rec.chain, a.start), lambda hits: self._query_done(rec.id, hits))
 
     def _claim(self, rec: Record, a: Claim) -> list:
         idx, pool = self.index, self.core.pool
@@ -351,7 +352,7 @@ class SessionManager(Service):
         kinds, own_positions = [], []
         granted = 0
         for pos in range(a.start, a.start + a.count):
-            key = rec.chain[pos * KEY:(pos + 1) * KEY]
+            key = chain_key(rec.chain, pos)
             if idx.find(key) >= 0:
                 kind = "have"
                 need = 1 if idx.refcount(idx.find(key)) == 0 else 0
@@ -386,11 +387,11 @@ class SessionManager(Service):
         rec.chunks[a.chunk] = io
         for pos, b in zip(own_positions, blocks):
             io.own_blocks[pos] = b
-            idx.stage(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+            idx.stage(chain_key(rec.chain, pos), b)
         self.outstanding_staging += len(blocks)
         for off, kind in enumerate(kinds):
             pos = a.start + off
-            key = rec.chain[pos * KEY:(pos + 1) * KEY]
+            key = chain_key(rec.chain, pos)
             if kind == "have":
                 b = idx.find(key)
                 idx.pin(pack_ids([b]))
@@ -402,7 +403,7 @@ class SessionManager(Service):
         io.t0 = self.clock()
         if own_positions:
             io.reading = True
-            keys = b"".join(rec.chain[p * KEY:(p + 1) * KEY] for p in own_positions)
+            keys = b"".join(chain_key(rec.chain, p) for p in own_positions)
             io.job = self.tier.load(rec.ns, keys, pack_ids(blocks),
                                     lambda result, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, result),
                                     priority=0 if rec.demanded else 1)
@@ -460,7 +461,7 @@ class SessionManager(Service):
             b = io.own_blocks.pop(pos, None)
             if b is not None:
                 parent = rec.pins[pos - 1] if pos else -1
-                idx.publish(rec.chain[pos * KEY:(pos + 1) * KEY], b, parent)
+                idx.publish(chain_key(rec.chain, pos), b, parent)
                 idx.pin(pack_ids([b]))
                 rec.pins[pos] = b
                 self.outstanding_staging -= 1
@@ -476,7 +477,7 @@ class SessionManager(Service):
         for pos in range(io.start + a.offset, io.start + io.count):
             b = io.own_blocks.pop(pos, None)
             if b is not None:
-                idx.drop_staging(rec.chain[pos * KEY:(pos + 1) * KEY], b)
+                idx.drop_staging(chain_key(rec.chain, pos), b)
                 self.outstanding_staging -= 1
             elif pos in rec.pins and pos >= rec.machine.published:
                 idx.unpin(pack_ids([rec.pins.pop(pos)]))
