@@ -78,7 +78,8 @@ class PoolManager:
                 self.pinned_limit_blocks - idx.pinned - pin_reserved)
 
     def pins_fit(self, new_pins: int, pin_reserved: int = 0) -> bool:
-        return new_pins <= self.headroom(pin_reserved)[1]
+        """Whether ``new_pins`` more pinned blocks stay within the pinned limit (the GET path)."""
+        return new_pins + pin_reserved + self.index.pinned <= self.pinned_limit_blocks
 
     def allocate(self, n: int) -> bytes:
         """Up to ``n`` FREE blocks into STAGING, evicting LRU unpinned leaves for the shortfall."""
