@@ -135,7 +135,7 @@ def test_adapter_without_any_sidecar_is_all_misses(instance):
     assert ad.start() is False
     t0 = time.monotonic()
     assert serve(ad, "x", TOKS, 1) == 0
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 2.0  # prompt misses, not a hang on the absent sidecar
     ad.close()
 
 

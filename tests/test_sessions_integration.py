@@ -90,7 +90,7 @@ def test_best_effort_stops_on_demand_and_completes_when_queued(sidecar_factory, 
         t0 = time.monotonic()
         c.demand("a")
         p = wait_terminal(c, "a")
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 2.0  # one chunk's transfer (stop latency is benchmarked: bench.py stop)
         assert p["status"] == "demanded" and p["prefix"] < N
         get_and_check(c, l3_filled, "a", kv)
     with KVConnector(instance, LAY, namespace="") as c:
