@@ -604,3 +604,42 @@ def test_random_schedules_keep_the_invariants(seed):
     s = b.books()
     assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0 and s["orphans"] == 0
     assert s["free"] + s["resident"] == b.core.index.num_blocks  # every block FREE or RESIDENT
+
+
+@pytest.mark.parametrize("stop", ["deadline", "abort", "demand", "client_gone"])
+def test_shared_blocks_survive_the_owners_stop(stop):
+    """Two requests on one prefix: the owner of the reads stops early; the other still gets
+    every block, each read once (its waiters were told the blocks failed, before)."""
+    b = Bench(window=2)
+    c = b.chain("a", 12)
+    policy = "best_effort" if stop == "demand" else "timeout"
+    owner = Conn(group="o", slot=1)
+    b.loop.clients[1] = owner
+    b.prefetch("x", c, conn=owner, policy=policy, budget_s=0.05 if policy == "timeout" else None)
+    b.tier.answer_lookups()
+    b.prefetch("y", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()  # y's chunks wait on x's staged blocks (de-dup)
+    r0 = b.tier.reads[0]
+    b.tier.start(r0)
+    if stop == "deadline":
+        b.loop.advance(0.06)
+    elif stop == "abort":
+        b.sm.op_abort(owner, {"req": "x"})
+    elif stop == "demand":
+        b.sm.op_demand(owner, {"req": "x"})
+    else:
+        del b.loop.clients[1]
+        b.sm.client_gone(owner)
+        b.core.client_gone(owner)
+    b.loop.settle()
+    assert b.sm.counters["reads_handed_over"] >= 1
+    b.tier.run_all()
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    y = terminal(b, "y")
+    assert (y["status"], y["prefix"]) == ("complete", 12), y
+    assert b.tier.blocks_read == 12  # nothing read twice
+    assert b.take("y", c) == 12
+    b.sm.op_abort(owner, {"req": "x"}) if stop != "client_gone" else None
+    s = b.books()
+    assert s["staging"] == 0 and s["orphans"] == 0 and s["pinned"] == 0

@@ -252,3 +252,23 @@ def test_config_policy_override_and_retained_ttl(sidecar_factory, instance, tmp_
         assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
         assert s["leases"].get("dropped_expired", 0) == 1
         assert c.poll("r")["state"] == "unknown"  # and the record is forgotten
+
+
+@pytest.mark.parametrize("budget_s", [0.04, 0.12])
+def test_a_short_session_does_not_cut_a_long_one_on_a_shared_prefix(sidecar_factory, instance, tmp_path, kv,
+                                                                     l3_filled, budget_s):
+    """Issue 13's reproduction: two requests on the same 48-block prefix, one with a short
+    timeout, one with 30 s, 30 ms L3 latency.  The long one used to end `failed` with prefix
+    8-12 (the short one withdrew the reads it waited on); the reads are now handed over."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "short", policy="timeout", budget_s=budget_s, chunk_max_blocks=4)
+        c.prefetch(l3_filled, "long", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        ps, pl = wait_terminal(c, "short"), wait_terminal(c, "long")
+        assert ps["status"] == "timeout" and ps["prefix"] < N
+        assert (pl["status"], pl["prefix"]) == ("complete", N), pl
+        assert get_and_check(c, l3_filled, "long", kv) == N
+        c.abort("short")
+        s = books(c)
+        assert s["l3"]["read_blocks_ok"] == N  # every block read once
+        assert s["pool"]["staging"] == 0 and s["leases"]["live"] == 0 and s["sessions"]["orphans"] == 0

@@ -321,11 +321,28 @@ class SessionManager(Service):
 
         Cancellation is atomic with the read lane picking the job up, so these blocks
         were never touched by L3 and go straight back to FREE; only reads already in
-        flight are drained.  This keeps stop latency within one chunk's transfer.
+        flight are drained.  This keeps stop latency within one chunk's transfer.  A
+        chunk other sessions wait on is not cancelled: its read is handed over to them
+        (shared blocks survive a stop; only a real L3 failure fails a waiter).
         """
         out = []
         for chunk, io in list(rec.chunks.items()):
-            if not io.reading or io.shared_ok or io.job is None or not io.job.cancel():
+            if not io.reading or io.shared_ok or io.job is None:
+                continue
+            if any(chain_key(rec.chain, pos) in self.waiters for pos in io.own_blocks):
+                # Other sessions wait on these blocks: the read goes on for them.  Ownership
+                # passes to the orphan table (published when its data lands, which resolves
+                # the waiters); this session just stops counting on the chunk.
+                for off, kind in enumerate(io.kinds):
+                    pos = io.start + off
+                    if kind == "have" and pos in rec.pins:
+                        self.index.unpin(pack_ids([rec.pins.pop(pos)]))
+                del rec.chunks[chunk]
+                self.orphans[(rec.id, chunk)] = Orphan(rec.chain, io)
+                self.counters["reads_handed_over"] += 1
+                out += rec.machine.handle(ChunkWithdrawn(chunk, self.clock()))
+                continue
+            if not io.job.cancel():
                 continue
             for pos, b in list(io.own_blocks.items()):
                 self.index.drop_staging(chain_key(rec.chain, pos), b)
