@@ -49,6 +49,16 @@ def unlink_segment(name: str) -> bool:
         return False
 
 
+def _size_and_map(fd: int, size: int, init, *, truncate: bool) -> tuple:
+    """Give a new segment's fd its size, run ``init(fd, size)`` (allocation), map it:
+    ``(mmap, page size)``.  The caller owns cleanup of the fd and name on failure."""
+    if truncate:
+        os.ftruncate(fd, size)
+    if init is not None:
+        init(fd, size)
+    return mmap.mmap(fd, size), _page_size(fd)
+
+
 def _page_size(fd: int) -> int:
     """The file system's page size for ``fd`` (2 MiB on hugetlbfs, else the base page)."""
     try:
@@ -115,11 +125,7 @@ class Segment:
         except FileExistsError as exc:
             raise SegmentError(f"segment {path} already exists") from exc
         try:
-            os.ftruncate(fd, size)
-            if init is not None:
-                init(fd, size)
-            mm = mmap.mmap(fd, size)
-            page = _page_size(fd)
+            mm, page = _size_and_map(fd, size, init, truncate=True)
         except BaseException as exc:
             os.close(fd)
             os.unlink(path)
@@ -143,11 +149,7 @@ class Segment:
             raise SegmentError(f"memfd_create({label!r}) failed: {exc.strerror}") from exc
         try:
             os.fchmod(fd, 0o600)
-            os.ftruncate(fd, size)
-            if init is not None:
-                init(fd, size)
-            mm = mmap.mmap(fd, size)
-            page = _page_size(fd)
+            mm, page = _size_and_map(fd, size, init, truncate=True)
         except BaseException as exc:
             os.close(fd)
             if isinstance(exc, OSError):

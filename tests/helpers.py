@@ -33,3 +33,20 @@ def wait_terminal(conn, req: str, timeout_s: float = 20.0) -> dict:
             return p
         time.sleep(0.005)
     raise AssertionError(f"session {req} not terminal: {p}")
+
+
+def store_get_load_equal(conn, kv, tokens) -> int:
+    """Store ``tokens``' blocks from engine pages [0, n), GET them back, load into fresh tensors
+    and assert the bytes are identical; returns the leased count."""
+    import torch
+
+    chain = conn.hasher.chain(tokens)
+    st = conn.store(chain)
+    conn.save(st, kv, list(range(st.count)))
+    conn.commit(st)
+    lease = conn.get(chain)
+    out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+    conn.load(lease, out, list(range(lease.count)))
+    conn.release(lease)
+    assert all(torch.equal(a, b) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+    return lease.count

@@ -9,6 +9,8 @@ from connector.kv_client import KVConnector
 from shm.layout import KVLayout
 from sidecar.kv.pool_memory import HUGE_PAGE, hugetlbfs_mount
 
+from .helpers import store_get_load_equal
+
 
 @pytest.fixture
 def huge_dir(tmp_path):
@@ -28,12 +30,4 @@ def test_hugepage_pool_round_trip(sidecar_factory, instance, huge_dir):
     with KVConnector(instance, lay) as c:
         assert c.pool.name == path
         kv = [tuple(torch.randn(20, 16, 2, 32).half() for _ in range(2)) for _ in range(2)]
-        chain = c.hasher.chain(list(range(16 * 20)))
-        st = c.store(chain)
-        c.save(st, kv, list(range(st.count)))
-        c.commit(st)
-        lease = c.get(chain)
-        out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
-        c.load(lease, out, list(range(lease.count)))
-        c.release(lease)
-        assert all(torch.equal(a, b) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+        assert store_get_load_equal(c, kv, list(range(16 * 20))) == 20

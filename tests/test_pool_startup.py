@@ -26,6 +26,8 @@ from sidecar.config import ConfigError, load_config
 from sidecar.kv.pool_memory import create_pool_segment
 from sidecar.spawn import child_env, launcher_argv
 
+from .helpers import store_get_load_equal
+
 MiB = 1 << 20
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16, tp_size=1)  # 8 KiB blocks
 
@@ -130,15 +132,7 @@ def test_hugepage_memfd_pool_round_trip(sidecar_factory, instance):
         assert c.pool.name.startswith("/proc/") and c.pool.page_size == P.HUGE_PAGE
         assert c.populate_stats()["done"] and P.resident_bytes(c.pool.address) == c.pool.size
         kv = [tuple(torch.randn(8, 16, 2, 32).half() for _ in range(2)) for _ in range(2)]
-        chain = c.hasher.chain(list(range(16 * 8)))
-        st = c.store(chain)
-        c.save(st, kv, list(range(st.count)))
-        c.commit(st)
-        lease = c.get(chain)
-        out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
-        c.load(lease, out, list(range(lease.count)))
-        c.release(lease)
-        assert all(torch.equal(a, b) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+        assert store_get_load_equal(c, kv, list(range(16 * 8))) == 8
 
 
 def test_bad_pool_options_are_config_errors(instance):
