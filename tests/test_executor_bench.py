@@ -22,7 +22,8 @@ from sidecar.runtime.clients import ClientInfo
 from sidecar.config import LimitsConfig, SessionsConfig
 from sidecar.kv.ops import KVCore
 from sidecar.kv.index import KEY, unpack_ids
-from sidecar.l3.tier import ReadResult
+from sidecar.l3.cost_model import ReadEstimate
+from sidecar.l3.tier import ReadOutlook, ReadResult
 from sidecar.service import OpError
 from sidecar.prefetch.executor import SessionManager
 
@@ -104,6 +105,7 @@ class Tier:
         self._reads: list[Read] = []
         self.read_s_per_block = None
         self.blocks_read = 0
+        self.estimate = ReadEstimate(0.005, 0.001, 0)  # cost_aware's L3 input (the test sets it)
 
     def lookup(self, ns, chain, done):
         self.lookups.append((chain, done))
@@ -112,6 +114,11 @@ class Tier:
         r = Read(keys, blocks, done, priority, Job())
         self._reads.append(r)
         return r.job
+
+    def read_outlook(self, priority=1):
+        ahead = [r for r in self.reads if r.priority <= priority]
+        e = self.estimate
+        return ReadOutlook(e, sum(e.seconds(len(r.keys) // KEY) for r in ahead))
 
     @property
     def reads(self) -> list[Read]:
