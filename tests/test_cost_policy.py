@@ -63,6 +63,12 @@ def test_a_probe_without_evidence_reads_one_small_chunk_once():
     assert cost.next_claim(o, 0.0, 100, 32, 0.0, claimed_before=True) == 0
 
 
+def test_chunks_grow_only_while_restoring_pays_and_never_past_eight_times():
+    assert cost.chunk_size(ol(regime=SLOW), 8) == 8  # a stop is likely: chunk_max bounds its regret
+    assert cost.chunk_size(ol(l3_latency_s=1.0), 8) == 64
+    assert cost.chunk_size(ol(l3_latency_s=0.0), 8) == 8
+
+
 def test_second_chunk_in_the_window_queues_behind_the_first():
     o = ol(eta=0.2, regime=SLOW)
     first = cost.next_claim(o, 0.0, 100, 8, 0.0, False)
@@ -109,7 +115,9 @@ def run_to_end(s: Session, now: float, outlook=None) -> Finish | None:
 def test_machine_fast_l3_restores_everything_and_completes():
     s = session()
     a = s.handle(QueryDone(64, 0.0, ol()))
-    assert [c.count for c in claims(a)] == [8, 8]  # the window
+    # the window; chunks grow past chunk_max until the 2 ms latency is 2 % of a read (25 blocks)
+    assert cost.chunk_size(ol(), 8) == 25
+    assert [c.count for c in claims(a)] == [25, 25]
     f = run_to_end(s, 0.01, ol())
     assert f == Finish(Status.COMPLETE, 64, "")
 
@@ -173,7 +181,7 @@ def test_machine_budget_is_a_cap_on_new_claims():
     s.handle(QueryDone(64, 0.0, ol()))
     assert finish(s.handle(Tick(0.06))) is None and s.status == Status.TIMEOUT
     f = run_to_end(s, 0.07, ol())
-    assert f.status == Status.TIMEOUT and f.prefix == 16  # only what was in flight at the deadline
+    assert f.status == Status.TIMEOUT and f.prefix == 50  # only what was in flight at the deadline
 
 
 def test_machine_abort_wins():
@@ -228,7 +236,7 @@ def test_executor_cost_aware_fast_l3_completes():
     c = b.chain("a", 12)
     b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01)
     b.tier.answer_lookups()
-    assert len(b.tier.reads) == 2
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [12]  # one read: latency is 50 blocks' worth
     b.tier.run_all()
     p = terminal(b, "r")
     assert (p["status"], p["prefix"]) == ("complete", 12)

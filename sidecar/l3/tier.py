@@ -22,6 +22,16 @@ from sidecar.l3.workers import Job, Lane
 log = logging.getLogger(__name__)
 
 
+DEMANDED, QUEUED = 0, 1 << 40  # read priority classes (lower runs first)
+
+
+def read_priority(demanded: bool, order: int = 0) -> int:
+    """A read's lane priority: reads a scheduling candidate waits on run first; within a class,
+    lower ``order`` first — sessions pass their id, so the older request's chunks go ahead of a
+    younger one's (the engine admits in queue order; interleaving them would delay both)."""
+    return (DEMANDED if demanded else QUEUED) + order
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadOutlook:
     """What a new read of some priority faces: the cost estimate and the lane work ahead of it."""
@@ -107,7 +117,7 @@ class L3Tier:
 
         self.meta.submit(lambda: self.backend.exists(keys), finish)
 
-    def load(self, ns: str, chain: bytes, blocks: bytes, done, priority: int = 1):
+    def load(self, ns: str, chain: bytes, blocks: bytes, done, priority: int = QUEUED):
         """Read ``chain``'s blocks into pool ``blocks``; ``done(ReadResult)`` on the control thread."""
         keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), id_count(blocks)
         size = self.block_bytes
@@ -132,7 +142,7 @@ class L3Tier:
 
         return ReadHandle(self.reader, self.reader.submit(work, finish, priority, weight=n))
 
-    def read_outlook(self, priority: int = 1) -> ReadOutlook:
+    def read_outlook(self, priority: int = QUEUED) -> ReadOutlook:
         """The cost estimate and the read-lane backlog a new read of ``priority`` would face."""
         est = self.cost.estimate()
         jobs, blocks = self.reader.ahead(priority)

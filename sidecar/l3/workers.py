@@ -112,20 +112,23 @@ class Lane:
             if item is not _STOP and item.cancel():
                 self._post(self._finish, item, None, RuntimeError("lane stopped"))
 
-    def _settle(self, job: Job) -> None:
-        self.queued -= 1
+    def _unpend(self, job: Job) -> None:
         p = self.pending[job.priority]
         p[0] -= 1
         p[1] -= job.weight
+        if not p[0]:
+            del self.pending[job.priority]  # priorities are per session: keep only live ones
+
+    def _settle(self, job: Job) -> None:
+        self.queued -= 1
+        self._unpend(job)
 
     def cancel(self, job: Job) -> bool:
         """Withdraw ``job`` if it has not started (control thread); True when it will never run.
         Its weight leaves :meth:`ahead` at once, not when the lane reaches it."""
         if not job.cancel():
             return False
-        p = self.pending[job.priority]
-        p[0] -= 1
-        p[1] -= job.weight
+        self._unpend(job)
         job.weight = -1  # settled
         return True
 
@@ -133,9 +136,7 @@ class Lane:
         self.queued -= 1
         self.cancelled += 1
         if job.weight >= 0:  # cancelled without Lane.cancel (e.g. directly on the job)
-            p = self.pending[job.priority]
-            p[0] -= 1
-            p[1] -= job.weight
+            self._unpend(job)
 
     def _finish(self, job: Job, result, error) -> None:  # control thread
         self._settle(job)

@@ -55,16 +55,35 @@ class Outlook:
         return self.l3_s_per_block < self.saving_per_block
 
 
-def lands(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0) -> float:
-    """When ``blocks`` claimed now land: behind the lane's backlog (and what this session
-    claimed since ``o`` was taken, ``queued_s``), never before its own claims land (one lane)."""
-    return max(now + o.backlog_s + queued_s, current_end) + o.l3_latency_s + blocks * o.l3_s_per_block
+LATENCY_SHARE = 0.02  # a chunk is made large enough that its read's fixed cost is at most this share
+MAX_GROWTH = 8  # ... but never more than this many times chunk_max_blocks
 
 
-def gain(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0) -> float:
-    """Seconds of TTFT saved by claiming ``blocks`` more (negative: it would cost)."""
+def chunk_size(o: Outlook, chunk_max: int) -> int:
+    """The chunk to claim.  ``chunk_max`` bounds the regret of a stop; while restoring pays per
+    block a stop is unlikely (only a wrong estimate causes one), so the chunk grows until the
+    per-read latency is a small share of it: one lane reads chunks in order and pays the
+    latency of each."""
+    if not o.restore_pays_per_block or o.l3_s_per_block <= 0:
+        return chunk_max
+    k = math.ceil(o.l3_latency_s / (LATENCY_SHARE * o.l3_s_per_block))
+    return max(chunk_max, min(k, MAX_GROWTH * chunk_max))
+
+
+def lands(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0,
+          reads: int = 1) -> float:
+    """When ``blocks`` claimed now (in ``reads`` reads) land: behind the lane's backlog (and
+    what this session claimed since ``o`` was taken, ``queued_s``), never before its own claims
+    land (one lane reads in order)."""
+    base = max(now + o.backlog_s + queued_s, current_end)
+    return base + reads * o.l3_latency_s + blocks * o.l3_s_per_block
+
+
+def gain(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0,
+         reads: int = 1) -> float:
+    """Seconds of TTFT saved by restoring ``blocks`` more (negative: it would cost)."""
     start_now = max(o.eta, current_end)
-    start_then = max(start_now, lands(o, now, blocks, current_end, queued_s))
+    start_then = max(start_now, lands(o, now, blocks, current_end, queued_s, reads))
     return blocks * o.saving_per_block - (start_then - start_now)
 
 
@@ -72,28 +91,30 @@ def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_e
                claimed_before: bool, queued_s: float = 0.0) -> int:
     """How many blocks to claim next (0: stop claiming).
 
-    ``current_end``: when what this session already claimed is expected to land (``now`` when
-    nothing is in flight).  Candidates are a full chunk and the largest chunk that still lands
-    by ``eta``; the better positive gain wins.  Without evidence about L3 (``probe_blocks``)
-    a session that has claimed nothing yet reads one small probe chunk.
+    Plans compared: restore everything that remains (in chunks: the wait for the lane is paid
+    once for all of it), one more chunk, and the most that still lands by ``eta``; the plan
+    with the best positive gain decides, and its first chunk is claimed.  ``current_end``: when
+    what this session already claimed is expected to land (``now`` when nothing is in flight).
+    Without evidence about L3 (``probe_blocks``) a session that has claimed nothing yet reads
+    one small probe chunk.
     """
-    cap = min(remaining, chunk_max)
+    cap = min(remaining, chunk_size(o, chunk_max))
     if cap <= 0:
         return 0
-    best, best_gain = 0, 0.0
-    candidates = {cap}
+    plans = {cap, remaining}
     if o.l3_s_per_block > 0:
         base = max(now + o.backlog_s + queued_s, current_end) + o.l3_latency_s
         fit = math.floor((o.eta - base) / o.l3_s_per_block)
-        if 0 < fit < cap:
-            candidates.add(fit)
-    for k in sorted(candidates, reverse=True):
-        g = gain(o, now, k, current_end, queued_s)
+        if 0 < fit < remaining:
+            plans.add(fit)
+    best, best_gain = 0, 0.0
+    for k in sorted(plans, reverse=True):
+        g = gain(o, now, k, current_end, queued_s, reads=-(-k // cap))
         if g > best_gain:
             best, best_gain = k, g
     if best == 0 and o.probe_blocks and not claimed_before:
         return min(cap, o.probe_blocks)
-    return best
+    return min(best, cap)
 
 
 def keep_admitted(o: Outlook, current_end: float) -> bool:

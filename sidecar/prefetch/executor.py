@@ -30,7 +30,7 @@ from shm.errors import ErrorCode
 from shm.chain import key as chain_key, length as chain_len, span as chain_span
 from sidecar.kv.ops import KVCore
 from sidecar.kv.index import pack_ids
-from sidecar.l3.tier import L3Tier
+from sidecar.l3.tier import L3Tier, read_priority
 from sidecar.service import OpError, Service
 from sidecar.prefetch.cost import Outlook
 from sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
@@ -221,7 +221,7 @@ class SessionManager(Service):
         eta = now if rec.eta is None else rec.eta
         if self.tier is None:
             return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=c.load_s_per_block)
-        look = self.tier.read_outlook(0 if rec.demanded else 1)
+        look = self.tier.read_outlook(read_priority(rec.demanded, rec.id))
         est = look.estimate
         probe = c.probe_blocks if est.samples == 0 and look.backlog_s == 0 else 0
         return Outlook(eta, rec.prefill_s_per_block, est.latency_s, est.s_per_block, look.backlog_s,
@@ -460,7 +460,7 @@ class SessionManager(Service):
             keys = b"".join(chain_key(rec.chain, p) for p in own_positions)
             io.job = self.tier.load(rec.ns, keys, pack_ids(blocks),
                                     lambda result, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, result),
-                                    priority=0 if rec.demanded else 1)
+                                    priority=read_priority(rec.demanded, rec.id))
         else:
             io.read_ok = {}
             self._maybe_chunk_done(rec, a.chunk)

@@ -209,7 +209,7 @@ class Session:
         self.expected_end = 0.0  # when what is claimed is expected to land
         self.queued_s = 0.0  # read time claimed since the outlook was taken (not in its backlog)
         self.claimed_any = False
-        self.probed = False  # the first claim was a probe (read for the estimate, not for its gain)
+        self.probe_chunk = -1  # the first claim was a probe (read for the estimate, not its gain)
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
 
     # -- helpers --------------------------------------------------------------------------------
@@ -288,17 +288,20 @@ class Session:
         """cost_aware: the next chunk's size, or 0 (after sealing with Status.COST when the
         next chunk would not pay; without sealing when it would but the window is full)."""
         o, now = self.outlook, self.now
+        if self.chunk_pending(self.probe_chunk):
+            return 0  # a probe is out: decide once its read has measured L3
         current_end = self.expected_end if self.in_flight else now
         n = cost.next_claim(o, now, self.target - self.next_pos, self.p.chunk_max_blocks, current_end,
                             self.claimed_any, self.queued_s)
         if n == 0:
             self._seal(Status.COST, "cost")
             # a probe is read to the end: it is the evidence the next decision needs
-            self.keep_admitted = self.probed or cost.keep_admitted(o, current_end)
+            self.keep_admitted = cost.keep_admitted(o, current_end)
             return 0
         if not commit:
             return 0
-        self.probed = not self.claimed_any and cost.gain(o, now, n, current_end, self.queued_s) <= 0
+        if not self.claimed_any and cost.gain(o, now, n, current_end, self.queued_s) <= 0:
+            self.probe_chunk = self._ids  # the id the claim gets
         self.claimed_any = True
         land = cost.lands(o, now, n, current_end, self.queued_s)
         self.queued_s += o.l3_latency_s + n * o.l3_s_per_block
