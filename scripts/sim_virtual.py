@@ -153,10 +153,10 @@ class VirtualLoop:
 
 
 class _Read:
-    __slots__ = ("keys", "blocks", "done", "priority", "seq", "state", "n")
+    __slots__ = ("keys", "blocks", "done", "priority", "seq", "state", "n", "lane")
 
-    def __init__(self, keys, blocks, done, priority, seq):
-        self.keys, self.blocks, self.done, self.priority, self.seq = keys, blocks, done, priority, seq
+    def __init__(self, keys, blocks, done, priority, seq, lane):
+        self.keys, self.blocks, self.done, self.priority, self.seq, self.lane = keys, blocks, done, priority, seq, lane
         self.state = "queued"
         self.n = len(keys) // KEY
 
@@ -165,6 +165,11 @@ class _Read:
             return False
         self.state = "cancelled"
         return True
+
+    def raise_priority(self, priority: int) -> None:
+        if self.state == "queued" and priority < self.priority:
+            self.priority = priority
+            heapq.heappush(self.lane._queue, (priority, next(self.lane._seq), self))
 
 
 class VirtualL3:
@@ -195,7 +200,7 @@ class VirtualL3:
         self.loop.call_at(self.loop.t + self.p.meta_latency_s, done, hits)
 
     def load(self, ns, keys, blocks, done, priority=1):
-        r = _Read(keys, blocks, done, priority, next(self._seq))
+        r = _Read(keys, blocks, done, priority, next(self._seq), self)
         heapq.heappush(self._queue, (priority, r.seq, r))
         self._kick()
         return r
@@ -228,7 +233,7 @@ class VirtualL3:
         est = self.cost.estimate()
         backlog = max(0.0, self.busy_until - self.loop.t) if self.busy is not None else 0.0
         for pr, _, r in self._queue:
-            if pr <= priority and r.state == "queued":
+            if pr <= priority and r.state == "queued" and pr == r.priority:
                 backlog += est.seconds(r.n)
         return ReadOutlook(est, backlog)
 
@@ -426,6 +431,7 @@ def bounds(p: SimParams) -> dict:
     stream = request_stream(p)
     longest = max(len(c) // KEY for _, _, c in stream)
     cap = p.pool_blocks or 6 * longest
+    drop_at = stream[int(len(stream) * p.bandwidth_drop_at)][0] if p.bandwidth_drop_at is not None else None
     out = {}
     for kind in ("serial", "oracle"):
         pool: collections.OrderedDict = collections.OrderedDict()
@@ -436,13 +442,14 @@ def bounds(p: SimParams) -> dict:
             while h < len(keys) and keys[h] in pool:
                 h += 1
             rest = len(keys) - h
+            start = max(arrival, free_at)
+            per_block = p.l3_s_per_block * (p.bandwidth_drop if drop_at is not None and start >= drop_at else 1.0)
             best = float("inf")
             for k in range(rest + 1):
-                transfer = (p.l3_latency_s + k * p.l3_s_per_block) if k else 0.0
+                transfer = (p.l3_latency_s + k * per_block) if k else 0.0
                 compute = (rest - k) * p.compute_s_per_block + k * p.copy_s_per_block
                 best = min(best, transfer + compute if kind == "serial" else max(transfer, compute))
             service = h * p.copy_s_per_block + best
-            start = max(arrival, free_at)
             free_at = start + service
             ttfts.append(free_at - arrival)
             for key in keys:

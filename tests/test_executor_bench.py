@@ -78,12 +78,17 @@ class Loop:
 @dataclasses.dataclass
 class Job:
     state: str = "queued"  # queued -> started | cancelled
+    read: object = None
 
     def cancel(self) -> bool:
         if self.state == "queued":
             self.state = "cancelled"
             return True
         return False
+
+    def raise_priority(self, priority: int) -> None:
+        if self.state == "queued" and priority < self.read.priority:
+            self.read.priority = priority
 
 
 @dataclasses.dataclass
@@ -112,6 +117,7 @@ class Tier:
 
     def load(self, ns, keys, blocks, done, priority=QUEUED):
         r = Read(keys, blocks, done, priority, Job())
+        r.job.read = r
         self._reads.append(r)
         return r.job
 

@@ -51,6 +51,10 @@ class ReadHandle:
     def cancel(self) -> bool:
         return self._lane.cancel(self._job)
 
+    def raise_priority(self, priority: int) -> None:
+        """Run sooner if still queued (e.g. its request became a scheduling candidate)."""
+        self._lane.raise_priority(self._job, priority)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReadResult:

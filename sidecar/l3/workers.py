@@ -30,10 +30,11 @@ _STOP = object()
 
 
 class Job:
-    __slots__ = ("work", "done", "state", "lock", "priority", "weight")
+    __slots__ = ("work", "done", "state", "lock", "priority", "weight", "reaped")
 
     def __init__(self, work, done, priority: int = 1, weight: int = 0):
         self.work, self.done, self.priority, self.weight = work, done, priority, weight
+        self.reaped = False  # (lane thread) a cancelled job's queue entry was seen
         self.state = "queued"  # queued -> started | cancelled
         self.lock = threading.Lock()
 
@@ -85,11 +86,15 @@ class Lane:
             if item is _STOP:
                 break
             with item.lock:
-                run = item.state == "queued"
-                if run:
+                state = item.state
+                if state == "queued":
                     item.state = "started"
-            if not run:  # cancelled while queued: its owner already cleaned up
-                self._post(self._forget_cancelled, item)
+            if state == "started":
+                continue  # the stale entry of a job whose priority was raised: it ran already
+            if state == "cancelled":  # withdrawn while queued: its owner already cleaned up
+                if not item.reaped:
+                    item.reaped = True
+                    self._post(self._forget_cancelled, item)
                 continue
             work, done = item.work, item.done
             self.busy = True
@@ -131,6 +136,18 @@ class Lane:
         self._unpend(job)
         job.weight = -1  # settled
         return True
+
+    def raise_priority(self, job: Job, priority: int) -> None:
+        """Run a queued ``job`` at ``priority`` if that is sooner (control thread).  The job is
+        queued again; its old entry is skipped when the lane reaches it."""
+        if job.state != "queued" or priority >= job.priority or job.weight < 0:
+            return
+        self._unpend(job)
+        job.priority = priority
+        p = self.pending.setdefault(priority, [0, 0])
+        p[0] += 1
+        p[1] += job.weight
+        self._q.put((priority, next(self._seq), job))
 
     def _forget_cancelled(self, job: Job) -> None:  # control thread
         self.queued -= 1

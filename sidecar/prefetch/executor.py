@@ -165,6 +165,10 @@ class SessionManager(Service):
         if rec is None:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         self._trigger(rec, "demand")
+        if not rec.demanded:  # its queued reads go ahead of every request not yet a candidate
+            for io in rec.chunks.values():
+                if io.reading and io.job is not None:
+                    io.job.raise_priority(read_priority(True, rec.id))
         rec.demanded = True
         now = self.clock()
         if rec.eta is None or rec.eta > now:

@@ -290,7 +290,9 @@ class Session:
         o, now = self.outlook, self.now
         if self.chunk_pending(self.probe_chunk):
             return 0  # a probe is out: decide once its read has measured L3
-        current_end = self.expected_end if self.in_flight else now
+        # what is in flight lands at the later of the estimate made when it was claimed and the
+        # lane's current backlog (which counts this session's own reads, last among equals)
+        current_end = max(self.expected_end, now + o.backlog_s) if self.in_flight else now
         n = cost.next_claim(o, now, self.target - self.next_pos, self.p.chunk_max_blocks, current_end,
                             self.claimed_any, self.queued_s)
         if n == 0:
