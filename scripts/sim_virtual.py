@@ -369,7 +369,9 @@ class Engine:
             if self.contents.get(b) != r.chain[j * KEY:(j + 1) * KEY]:
                 self.corrupt += 1
         rec = self.sm.records.get((self.group, r.rid, 0))
-        restored_l3 = sum(1 for b in blocks if self.source.get(b) == "l3")
+        # restored from L3 by this request's own session; the rest of the GET was in the pool
+        # (resident at queue entry, stored by an earlier prefill, or read by another session)
+        restored_l3 = min(n, rec.restored) if rec is not None else 0
         prefill = n * self.p.copy_s_per_block + (r.blocks - n) * self.p.compute_s_per_block
         self.busy_until = now + prefill
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
@@ -421,14 +423,19 @@ def run_arm(p: SimParams, arm: str) -> dict:
 
 # -- bounds on the same stream --------------------------------------------------------------------------
 def bounds(p: SimParams) -> dict:
-    """Per-request TTFTs of the serial bound and the overlap oracle on the same stream.
+    """``bounds_for`` this simulator's own request stream."""
+    return bounds_for(request_stream(p), p)
+
+
+def bounds_for(stream: list, p: SimParams) -> dict:
+    """Per-request TTFTs of the serial bound and the overlap oracle on ``stream``
+    (``[(arrival_s, req, chain)]``), with ``p``'s costs.
 
     Both replay the stream on one FIFO engine with the same pool (an LRU of ``pool_blocks``
     blocks filled by every prefill): pool hits cost only their copy; the rest costs, for the
     best restore length k, ``transfer(k) + compute(rest - k)`` (serial) or
     ``max(transfer(k), compute(rest - k))`` (oracle: needs compute/load overlap; report only).
     """
-    stream = request_stream(p)
     longest = max(len(c) // KEY for _, _, c in stream)
     cap = p.pool_blocks or 6 * longest
     drop_at = stream[int(len(stream) * p.bandwidth_drop_at)][0] if p.bandwidth_drop_at is not None else None

@@ -73,7 +73,7 @@ class L3Config:
     # cost_aware's prior for one L3 read (latency + bytes / bandwidth) until reads measure it;
     # conservative (slow) on purpose: before evidence it restores only what hides behind the queue
     cost_prior_latency_ms: float = 5.0
-    cost_prior_mb_per_s: float = 100.0
+    cost_prior_mb_per_s: float = 10.0
     # shaping / faults (tests and benchmarks)
     latency_ms: float = 0.0
     bandwidth_mbps: float = 0.0

@@ -82,8 +82,8 @@ class L3Tier:
         # running estimate of one block's read time (EWMA over successful reads; None until one)
         self.read_s_per_block: float | None = None
         # latency + per-block cost of a read (cost_aware's L3 input); the default prior is a
-        # conservative 5 ms + 100 MB/s until reads say otherwise
-        self.cost = cost_model or ReadCostModel(0.005, block_bytes / 100e6)
+        # conservative 5 ms + 10 MB/s until reads say otherwise (l3.cost_prior_* in the config)
+        self.cost = cost_model or ReadCostModel(0.005, block_bytes / 10e6)
 
     def start(self) -> None:
         for lane in (self.meta, self.reader, self.writer):
