@@ -11,7 +11,7 @@ import collections
 import logging
 import time
 
-from shm.chain import count as id_count
+from shm.chain import count as id_count, length as chain_len
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
@@ -142,7 +142,15 @@ class KVCore(Service):
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:
-        return self.decided(conn, "lookup", msg, lambda grouped: {"hit": self.index.match(msg["chain"])})
+        def compute(grouped: bool) -> dict:
+            chain = msg["chain"]
+            hit = self.index.match(chain)
+            counters = self.sidecar.counters  # (once per group decision, like every ranked answer)
+            counters["lookup_requested_blocks"] += chain_len(chain)
+            counters["lookup_hit_blocks"] += hit
+            return {"hit": hit}
+
+        return self.decided(conn, "lookup", msg, compute)
 
     def op_get(self, conn, msg) -> dict:
         def compute(grouped: bool) -> dict:
@@ -164,6 +172,7 @@ class KVCore(Service):
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
                                         owner=self._owner(conn))
             self.arm_reaper(lease.deadline)
+            self.sidecar.counters["get_blocks"] += n  # handed to the engine (once per group decision)
             return {"lease": lease.id, "blocks": blocks, "count": n}
 
         result = self.decided(conn, "get", msg, compute)
