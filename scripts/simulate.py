@@ -16,6 +16,7 @@ with perfect overlap, ``min_k max(transfer(k), compute(n - k))``.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import multiprocessing as mp
@@ -138,6 +139,11 @@ def rank_main(args: dict, rank: int, conn) -> None:
         if not ready:
             time.sleep(0.001)  # the scheduler would run decode batches meanwhile
             continue
+        # (observability totals) the terminal session's status, asked by rank 0 outside the group
+        # decisions (no step), so the ranks' own decisions are untouched
+        status = "none"
+        if rank == 0 and rid in ad.prefetching:
+            status = ad.conn.poll(rid).get("status", "none")
         n_blocks = len(toks) // T
         chain = ad.chain(rid, toks)
         slot = ad.admit(rid, toks, step, alloc)
@@ -158,7 +164,8 @@ def rank_main(args: dict, rank: int, conn) -> None:
         free_pages.extend(reversed(pages))
         queue.pop(0)
         results.append({"req": rid, "ttft_ms": ttft * 1e3, "restored_tokens": slot.tokens,
-                        "recomputed_tokens": compute_tokens, "corrupt": corrupt, "tokens": len(toks)})
+                        "recomputed_tokens": compute_tokens, "corrupt": corrupt, "tokens": len(toks),
+                        "status": status})
     conn.send({"rank": rank, "results": results, "degraded": ad.misses_degraded})
     ad.close()
 
@@ -190,17 +197,29 @@ def run_ranks(args: dict) -> list:
 
 
 def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | None = None,
-            before_stop=None) -> dict:
+            before_stop=None, while_running=None) -> dict:
+    """``while_running(arm, instance, ranks_done)``: run in a thread from the sidecar's start until
+    it returns (joined, bounded, before the sidecar stops); ``ranks_done`` is set once the ranks
+    finished and the final stats were taken."""
+    import threading
+
     from sidecar.spawn import SidecarProcess
 
     args = dict(base_args, arm=arm, **(ARMS[arm] if arm_kw is None else arm_kw))
     args["instance"] = f"kvssim{os.getpid()}"
     with SidecarProcess(args["instance"], overrides=sidecar_overrides):
+        ranks_done, watcher = threading.Event(), None
+        if while_running is not None:
+            watcher = threading.Thread(target=while_running, args=(arm, args["instance"], ranks_done), daemon=True)
+            watcher.start()
         outs = run_ranks(args)
         from connector.client import SidecarClient
 
         with SidecarClient(args["instance"]) as c:
             stats = c.call("stats", check=True)
+        ranks_done.set()
+        if watcher is not None:
+            watcher.join(60)
         if before_stop is not None:
             before_stop(args["instance"])
     res0 = outs[0]["results"]
@@ -212,7 +231,9 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
             "restored_tokens": sum(r["restored_tokens"] for r in res0),
             "recomputed_tokens": sum(r["recomputed_tokens"] for r in res0), "corrupt": corrupt,
             "ranks_agree": same, "requests": len(res0), "invariants": stats.get("invariants", "?"),
-            "sessions": stats["stats"].get("sessions", {}), "degraded_misses": sum(o["degraded"] for o in outs)}
+            "sessions": stats["stats"].get("sessions", {}), "degraded_misses": sum(o["degraded"] for o in outs),
+            # observability totals, as the engine saw them (rank 0): policy, final status per request
+            "policy": args["policy"], "statuses": dict(collections.Counter(r["status"] for r in res0))}
 
 
 def oracle(base_args: dict, l3_bytes_per_s: float, latency_s: float, block_bytes: int) -> dict:
@@ -278,7 +299,10 @@ class _MooncakeL3:
 
 
 def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None = None, arms=None,
-             l3: str = "file", before_stop=None, prefix_tokens: int = 16384, requests: int | None = None) -> dict:
+             l3: str = "file", before_stop=None, prefix_tokens: int = 16384, requests: int | None = None,
+             sidecar_overrides: dict | None = None, while_running=None) -> dict:
+    """``sidecar_overrides``: extra config for the arms' sidecars (not the warm-up's), e.g. metrics;
+    ``while_running``: see :func:`run_arm` (every arm)."""
     lay = make_layout(2)
     base_args = dict(tp=2, seed=11, requests=requests or (6 if quick else 16), n_prefixes=2,
                      prefix_tokens=prefix_tokens, suffix_tokens=128,
@@ -299,8 +323,9 @@ def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None =
         out = {"quick": quick, "l3": l3, "l3_mbps": mbps, "budget_s": budget_s, "compute_ms_per_ktok": 50.0,
                "prefix_tokens": 16384, "tp": 2, "arms": {}}
         arm_list = arms or list(ARMS)
+        shaped.update(sidecar_overrides or {})
         for arm in arm_list:
-            out["arms"][arm] = run_arm(arm, base_args, shaped,
+            out["arms"][arm] = run_arm(arm, base_args, shaped, while_running=while_running,
                                        before_stop=before_stop if arm == arm_list[-1] else None)
         out["prefix_tokens"] = prefix_tokens
         out["oracle"] = oracle(base_args, mbps * 1e6 / 8, 0.002, lay.block_bytes)

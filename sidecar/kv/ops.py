@@ -172,10 +172,10 @@ class KVCore(Service):
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
                                         owner=self._owner(conn))
             self.arm_reaper(lease.deadline)
-            self.sidecar.counters["get_blocks"] += n  # handed to the engine (once per group decision)
             return {"lease": lease.id, "blocks": blocks, "count": n}
 
         result = self.decided(conn, "get", msg, compute)
+        self.sidecar.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
         if self._after_get is not None:
             self._after_get(conn, msg)
         return result

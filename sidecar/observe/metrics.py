@@ -244,10 +244,10 @@ class _SnapshotCollector:
         tier = snap["tier"]
         tc = tier["counters"] if tier else {}
         yield _counter("kvsidecar_l3_read_bytes", "Bytes read from L3 into the pool", tc.get("read_blocks_ok", 0) * bb)
-        yield _counter("kvsidecar_engine_blocks", "Blocks handed to the engine (GET leases, once per group decision)",
+        yield _counter("kvsidecar_engine_blocks", "Blocks leased to engine ranks by GET (each rank's answer)",
                        c.get("get_blocks", 0))
-        yield _counter("kvsidecar_engine_bytes", "Bytes handed to the engine (GET leases x block bytes, all shards)",
-                       c.get("get_blocks", 0) * bb)
+        yield _counter("kvsidecar_engine_bytes", "Bytes handed to the engine: each rank's leased blocks x the "
+                       "shard it copies", c.get("get_blocks", 0) * svc.core.layout.shard_bytes)
         t = svc.core.layout.tokens_per_block
         tok = snap["tokens"]
         yield _counter("kvsidecar_lookup_requested_tokens", "Tokens asked about (source: lookup op, prefetch "
