@@ -184,3 +184,62 @@ def test_scrape_during_simulator_run_matches_its_totals():
     # (a best_effort arm demanded at once may restore nothing; the timeout arm does)
     assert res["arms"]["timeout_chunk32"]["sessions"]["restored_blocks"] > 0
     assert res["arms"]["timeout_chunk32"]["restored_tokens"] > 0
+
+
+class _StalledLoop:
+    """The part of sidecar.service.Host a scrape uses, for a control thread that is busy: posted
+    work waits until the test runs it (the one way to hold a real loop deterministically)."""
+
+    def __init__(self):
+        import collections as _c
+
+        self.clients: dict = {}
+        self.counters = _c.Counter()
+        self.posted: list = []
+
+    def post(self, fn, *args):
+        self.posted.append((fn, args))
+
+    def call_at(self, due, fn, *args):
+        pass
+
+    def run_posted(self):
+        while self.posted:
+            fn, args = self.posted.pop(0)
+            fn(*args)
+
+
+def test_a_scrape_never_waits_past_its_budget_and_says_stale():
+    from sidecar.config import MetricsConfig, load_config
+    from sidecar.kv.ops import KVCore
+    from sidecar.observe.metrics import MetricsService
+
+    cfg = load_config(None, {"layout.num_layers": 1, "layout.head_dim": 8, "pool.num_blocks": 64})
+    loop = _StalledLoop()
+    core = KVCore(loop, cfg.kv_layout(), 64, cfg.limits)
+    svc = MetricsService(loop, MetricsConfig(enabled=True, port=0, scrape_timeout_s=0.05), core=core, generation=7)
+    port = svc.start()
+    try:
+        t0 = time.monotonic()
+        m = scrape(port)  # nothing answers: only up / generation / stale
+        assert time.monotonic() - t0 < 5.0
+        assert value(m, "kvsidecar_scrape_stale") == 1 and value(m, "kvsidecar_generation") == 7
+        assert not any(name.startswith("kvsidecar_pool") for name, _ in m)
+        m = scrape(port)
+        assert value(m, "kvsidecar_scrape_stale") == 1
+        assert len(loop.posted) == 1  # a stuck loop is asked once, however many scrapes come
+        # the loop gets to it while the next scrape waits: a fresh snapshot
+        loop.counters["requests"] = 5
+        svc.cfg.scrape_timeout_s = 10.0
+        threading.Timer(0.2, loop.run_posted).start()
+        m = scrape(port)
+        assert value(m, "kvsidecar_scrape_stale") == 0 and value(m, "kvsidecar_requests_total") == 5
+        assert value(m, "kvsidecar_pool_blocks", state="free") == 64
+        # stalled again: the last good snapshot is served, marked stale
+        svc.cfg.scrape_timeout_s = 0.05
+        loop.counters["requests"] = 6
+        m = scrape(port)
+        assert value(m, "kvsidecar_scrape_stale") == 1 and value(m, "kvsidecar_requests_total") == 5
+        assert svc.stats()["metrics"] == {"port": port, "scrapes": 4, "stale_scrapes": 3}
+    finally:
+        svc.stop()

@@ -68,6 +68,7 @@ class MetricsService(Service, SessionObserver):
         self.registry.register(_SnapshotCollector(self))
         self._lock = threading.Lock()
         self._last: dict | None = None
+        self._pending = None  # (answered, box) of the snapshot request the control thread has not run yet
         self.scrapes = 0
         self.stale_scrapes = 0
         self._server = None
@@ -169,17 +170,18 @@ class MetricsService(Service, SessionObserver):
         return snap
 
     def scrape_snapshot(self) -> tuple[dict, bool]:
-        """(snapshot, stale): asks the control thread, waits at most ``scrape_timeout_s``."""
-        box: dict = {}
-        done = threading.Event()
+        """(snapshot, stale): asks the control thread, waits at most ``scrape_timeout_s``.
 
-        def take():
-            try:
-                box["snap"] = self.control_snapshot()
-            finally:
-                done.set()
-
-        self.host.post(take)
+        At most one request is outstanding: scrapes that arrive while the control thread has not
+        answered yet wait on that same request (a stuck loop never accumulates posted work)."""
+        with self._lock:
+            pending = self._pending
+            ask = pending is None
+            if ask:
+                pending = self._pending = (threading.Event(), {})
+        if ask:
+            self.host.post(self._take, pending)
+        done, box = pending
         fresh = done.wait(self.cfg.scrape_timeout_s) and "snap" in box
         with self._lock:
             self.scrapes += 1
@@ -188,6 +190,16 @@ class MetricsService(Service, SessionObserver):
                 return box["snap"], False
             self.stale_scrapes += 1
             return (self._last or {}), True
+
+    def _take(self, pending) -> None:  # control thread
+        done, box = pending
+        try:
+            box["snap"] = self.control_snapshot()
+        finally:
+            with self._lock:
+                if self._pending is pending:
+                    self._pending = None
+            done.set()
 
 
 class _SnapshotCollector:
