@@ -4,6 +4,7 @@ measured in the same run (ratios; these machines are noisy).
 
     python scripts/bench.py ring  [--quick] [--json PATH]
     python scripts/bench.py startup [--quick]   # pool ready time, first vs second pass, exits
+    python scripts/bench.py metrics [--quick]   # Prometheus on vs off: ring RTT, get+release of 512
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ SUITES = {
     "l3": "bench_l3",
     "stop": "bench_stop",
     "startup": "bench_startup",
+    "metrics": "bench_metrics",
 }
 
 

@@ -10,6 +10,14 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
     echo "warning: libibverbs1 is missing (Mooncake needs it); install it as root" >&2
   fi
 fi
+# tmux: the inspector's --watch test drives a real terminal (the test skips without it)
+if ! command -v tmux >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
+  else
+    echo "warning: tmux is missing (tests/test_inspector.py's --watch test is skipped); install it as root" >&2
+  fi
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

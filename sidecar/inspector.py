@@ -177,10 +177,10 @@ def render(s: dict) -> str:
     sess = s["sessions"]
     lines.append(f"SESSIONS ({sess['total']})")
     if sess["rows"]:
-        lines.append(f"  {'request':<18} {'group':<14} {'policy':<14} {'state':<9} {'status':<9}"
+        lines.append(f"  {'request':<18} {'group':<16} {'policy':<14} {'state':<9} {'status':<9}"
                      f" {'published/target':>17} {'age s':>7} demanded")
         for r in sess["rows"]:
-            lines.append(f"  {r['request'][:18]:<18} {r['group'][:14]:<14} {r['policy']:<14} {r['state']:<9}"
+            lines.append(f"  {r['request'][:18]:<18} {r['group'][:16]:<16} {r['policy']:<14} {r['state']:<9}"
                          f" {r['status'] or '-':<9} {str(r['published']) + '/' + str(r['target']):>17}"
                          f" {r['age_s']:>7.1f} {'yes' if r['demanded'] else 'no'}")
         if sess["total"] > len(sess["rows"]):
