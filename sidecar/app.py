@@ -32,6 +32,7 @@ from sidecar.l3.base import L3Error
 from sidecar.l3.tier import L3Tier
 from sidecar.l3.ops import L3Ops
 from sidecar.prefetch.executor import SessionManager
+from sidecar.observe.metrics import MetricsError, MetricsService
 from sidecar.observe.outcome import Observers
 from sidecar.observe.sessionlog import SessionLog
 from sidecar.observe.status import StatusTables
@@ -111,8 +112,6 @@ class SidecarHost:
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes)
                 l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
             if cfg.metrics.enabled:  # off by default (sidecar.observe.metrics)
-                from sidecar.observe.metrics import MetricsService
-
                 self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,
                                               l3ops=l3ops, generation=self.generation)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
@@ -320,7 +319,7 @@ def main(argv=None) -> int:
     except StartupInterrupted:
         log.info("sidecar %s: start-up interrupted by a signal; segments unlinked", cfg.instance)
         return 0
-    except (L3Error, SegmentError) as exc:
+    except (L3Error, SegmentError, MetricsError) as exc:
         log.error("cannot start: %s", exc)
         return 2
     started.append(host)

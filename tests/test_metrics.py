@@ -243,3 +243,20 @@ def test_a_scrape_never_waits_past_its_budget_and_says_stale():
         assert svc.stats()["metrics"] == {"port": port, "scrapes": 4, "stale_scrapes": 3}
     finally:
         svc.stop()
+
+
+def test_a_taken_port_is_a_clear_startup_error(instance, tmp_path):
+    import socket
+    import subprocess
+
+    from sidecar.spawn import child_env, launcher_argv
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run(launcher_argv() + ["--instance", instance, "--set", "metrics.enabled=true",
+                                              "--set", f"metrics.port={port}", "--set", f"run_dir=\"{tmp_path}\""],
+                           capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode == 2, r.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr

@@ -27,6 +27,8 @@ import threading
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shm.errors import KvSidecarError
+
 from sidecar.observe.outcome import SessionObserver, SessionOutcome
 from sidecar.service import Host, Service
 
@@ -40,6 +42,10 @@ PER_BLOCK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1
 # lease drop reasons (sidecar.kv.leases) -> the cause an operator asks about
 LEASE_CAUSES = {"released": "released", "handed_off": "handed_off", "expired": "ttl", "client_gone": "client_gone",
                 "group_gone": "client_gone", "aborted": "aborted"}
+
+
+class MetricsError(KvSidecarError):
+    """The metrics endpoint cannot be served (e.g. its port is taken)."""
 
 
 class MetricsService(Service, SessionObserver):
@@ -84,7 +90,11 @@ class MetricsService(Service, SessionObserver):
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> int:
         """Serve /metrics; returns the bound port."""
-        self._server, self._thread = start_http_server(self.cfg.port, addr=self.cfg.host, registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(self.cfg.port, addr=self.cfg.host,
+                                                           registry=self.registry)
+        except OSError as exc:
+            raise MetricsError(f"cannot serve metrics on {self.cfg.host}:{self.cfg.port}: {exc}") from None
         self.port = self._server.server_address[1]
         log.info("metrics on http://%s:%d/metrics", self.cfg.host, self.port)
         return self.port
