@@ -260,3 +260,73 @@ def test_a_taken_port_is_a_clear_startup_error(instance, tmp_path):
                            capture_output=True, text=True, timeout=60, env=child_env())
     assert r.returncode == 2, r.stderr
     assert f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def _attach_and_wait(instance, conn):
+    c = KVConnector(instance, LAY, group="doomed")
+    c.attach()
+    conn.send("attached")
+    conn.recv()  # killed while waiting here
+
+
+def test_failed_puts_and_a_reclaimed_client_are_counted(sidecar_factory, instance, tmp_path, spawn_ctx):
+    torch.manual_seed(0)
+    kv = [tuple(torch.randn(N, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    # a file store capped below one block: every PUT fails (write_too_big)
+    sidecar_factory(**overrides(tmp_path, **METRICS_ON, **{"l3.file_cap_bytes": 1}))
+    port = metrics_port(instance)
+    with KVConnector(instance, LAY) as c:
+        store_to_l3(c, kv, TOKENS)  # published in the pool; every PUT fails
+    a, b = spawn_ctx.Pipe()
+    p = spawn_ctx.Process(target=_attach_and_wait, args=(instance, b))
+    p.start()
+    try:
+        assert a.poll(60) and a.recv() == "attached"
+        assert value(scrape(port), "kvsidecar_clients_attached") == 1
+    finally:
+        p.kill()
+        p.join(10)
+    deadline = time.monotonic() + 20
+    while value(m := scrape(port), "kvsidecar_clients_reclaimed_total") != 1:
+        assert time.monotonic() < deadline, "the killed client was never reclaimed"
+        time.sleep(0.02)
+    assert value(m, "kvsidecar_clients_attached") == 0
+    assert value(m, "kvsidecar_l3_put_blocks_total", result="failed") == N
+    assert value(m, "kvsidecar_l3_put_blocks_total", result="published") == 0
+    assert value(m, "kvsidecar_l3_errors_total", backend="file", code="write_failed_blocks") == N
+    assert value(m, "kvsidecar_l3_errors_total", backend="file", code="write_too_big") == N
+    assert value(m, "kvsidecar_leases_released_total", cause="internal") >= 1  # the l3_put lease ended
+    assert total(m, "kvsidecar_leases") == 0
+
+
+def test_concurrent_scrapes_while_a_client_works(sidecar_factory, instance, tmp_path):
+    """prometheus-client serves each scrape on its own thread: eight at once, while a client
+    keeps the control thread busy, all get a fresh, consistent snapshot."""
+    sidecar_factory(**overrides(tmp_path, **METRICS_ON))
+    port = metrics_port(instance)
+    results, errors = [], []
+
+    def scraper():
+        try:
+            for _ in range(15):
+                results.append(scrape(port))
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    with SidecarClient(instance, group="busy") as c:
+        threads = [threading.Thread(target=scraper) for _ in range(8)]
+        for t in threads:
+            t.start()
+        pings = 0
+        while any(t.is_alive() for t in threads):
+            c.call("ping")
+            pings += 1
+        for t in threads:
+            t.join(30)
+        final = scrape(port)
+        stats = c.call("stats")["stats"]["metrics"]
+    assert errors == [] and len(results) == 120 and pings > 0
+    assert all(value(m, "kvsidecar_scrape_stale") == 0 for m in results)
+    seen = [value(m, "kvsidecar_requests_total") for m in results]
+    assert max(seen) <= value(final, "kvsidecar_requests_total") and min(seen) >= 1
+    assert stats["scrapes"] == 121 and stats["stale_scrapes"] == 0
