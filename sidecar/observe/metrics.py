@@ -1,8 +1,9 @@
 """Prometheus exposition of the sidecar (``prometheus-client``), mounted as one more service.
 
-Off by default (``[metrics] enabled``); serves ``http://<host>:<port>/metrics`` (127.0.0.1) from
-prometheus-client's own threaded HTTP server.  Nothing here runs on the control thread's request
-path:
+Off by default (``[metrics] enabled``); serves ``http://<host>:<port>/metrics`` (127.0.0.1):
+prometheus-client's WSGI app on a threaded ``wsgiref`` server whose accept loop blocks until a
+connection arrives (no periodic wake-up; ``stop`` wakes it with one connection).  Nothing here
+runs on the control thread's request path:
 
 * **Histograms** (session stop latency, drain, chunk, L3 read per block, elapsed; by policy) are
   observed when a session ends (:meth:`MetricsService.session_ended`, a session observer), once
@@ -22,9 +23,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
+import socketserver
 import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shm.errors import KvSidecarError
@@ -90,21 +94,38 @@ class MetricsService(Service, SessionObserver):
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> int:
         """Serve /metrics; returns the bound port."""
+        server_cls = _Server6 if ":" in self.cfg.host else _Server
         try:
-            self._server, self._thread = start_http_server(self.cfg.port, addr=self.cfg.host,
-                                                           registry=self.registry)
+            self._server = server_cls((self.cfg.host, self.cfg.port), _QuietHandler)
         except OSError as exc:
             raise MetricsError(f"cannot serve metrics on {self.cfg.host}:{self.cfg.port}: {exc}") from None
+        self._server.set_app(make_wsgi_app(self.registry))
+        self._server.timeout = None  # handle_request blocks until a connection: no idle wake-ups
         self.port = self._server.server_address[1]
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="kvsidecar-metrics", daemon=True)
+        self._thread.start()
         log.info("metrics on http://%s:%d/metrics", self.cfg.host, self.port)
         return self.port
 
+    def _serve(self) -> None:
+        while not self._stopping:
+            self._server.handle_request()
+
     def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop serving (bounded): the flag, then one connection to wake the blocked accept."""
         if self._server is None:
             return
-        self._server.shutdown()
-        self._server.server_close()
+        self._stopping = True
+        try:
+            with socket.create_connection((self.cfg.host, self.port), timeout=timeout_s):
+                pass
+        except OSError:
+            pass  # nothing to wake: the loop is not blocked in accept
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("metrics server thread did not stop within %.1f s", timeout_s)
+        self._server.server_close()
         self._server = None
 
     # -- the session observer (control thread) -----------------------------------------------------
@@ -346,6 +367,19 @@ class _SnapshotCollector:
             if ops:
                 yield _gauge("kvsidecar_l3_puts_in_flight", "Write-behind PUTs in flight", ops["puts_in_flight"])
                 yield _gauge("kvsidecar_l3_loads_in_flight", "Restore reads in flight", ops["loads_in_flight"])
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds up the sidecar's exit
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 (the stdlib's name)
+        return None  # scrapes are not worth a log line each
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
