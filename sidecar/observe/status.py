@@ -14,6 +14,7 @@ import time
 from sidecar.service import Host, Service
 
 MAX_ROWS = 48
+MAX_TEXT = 64  # characters of a request id / group name shown (the blob's size stays bounded)
 
 
 def owner_text(lease) -> str:
@@ -48,7 +49,8 @@ class StatusTables(Service):
         rows = []
         for rec in recs[:MAX_ROWS]:
             m = rec.machine
-            rows.append({"session": rec.id, "request": str(rec.key[1]), "group": rec.key[0], "policy": rec.policy,
+            rows.append({"session": rec.id, "request": str(rec.key[1])[:MAX_TEXT], "group": rec.key[0][:MAX_TEXT],
+                         "policy": rec.policy,
                          "state": m.state.value, "status": m.status.value if m.status is not None else "",
                          "published": m.published, "target": m.target, "total": m.p.total,
                          "age_s": round(now - rec.created, 3), "demanded": rec.demanded})
@@ -56,7 +58,7 @@ class StatusTables(Service):
 
     def _leases(self, now: float) -> dict:
         leases = sorted(self.core.leases.leases.values(), key=lambda lease: lease.created)
-        rows = [{"lease": lease.id, "kind": lease.kind, "owner": owner_text(lease), "blocks": lease.count,
+        rows = [{"lease": lease.id, "kind": lease.kind, "owner": owner_text(lease)[:MAX_TEXT], "blocks": lease.count,
                  "age_s": round(now - lease.created, 3),
                  "ttl_s": round(lease.deadline - now, 3) if lease.deadline != float("inf") else -1.0}
                 for lease in leases[:MAX_ROWS]]
@@ -76,7 +78,7 @@ class StatusTables(Service):
         out = []
         for conn in self.host.clients.values():
             info = conn.info
-            out.append({"slot": conn.slot, "pid": conn.pid, "group": info.group if info else "",
+            out.append({"slot": conn.slot, "pid": conn.pid, "group": info.group[:MAX_TEXT] if info else "",
                         "rank": info.rank if info else -1, "requests": conn.requests, "errors": conn.errors,
                         "connected_s": round(now - conn.created, 3)})
         return out
