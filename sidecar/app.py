@@ -30,6 +30,7 @@ from sidecar.config import SidecarConfig, load_config
 from sidecar.kv.ops import KVCore
 from sidecar.l3.base import L3Error
 from sidecar.l3.tier import L3Tier
+from sidecar.l3.cost_model import ReadCostModel
 from sidecar.l3.ops import L3Ops
 from sidecar.prefetch.executor import SessionManager
 from sidecar.observe.metrics import MetricsError, MetricsService
@@ -108,8 +109,11 @@ class SidecarHost:
             backend = build_backend(cfg, self)
             if backend is not None:
                 backend.register_pool(self.pool_segment.address, self.pool_segment.size)
+                prior = ReadCostModel(cfg.l3.cost_prior_latency_ms / 1e3,
+                                      layout.block_bytes / (cfg.l3.cost_prior_mb_per_s * 1e6))
                 self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
-                                   pool_address=self.pool_segment.address, block_bytes=layout.block_bytes)
+                                   pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
+                                   cost_model=prior)
                 l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
             if cfg.metrics.enabled:  # off by default (sidecar.observe.metrics)
                 self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,

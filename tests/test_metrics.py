@@ -116,6 +116,8 @@ def test_series_follow_leases_sessions_errors_and_clients(sidecar_factory, insta
     assert value(m, "kvsidecar_session_chunk_seconds_count", policy="wait_complete") == 1  # one whole read
     assert value(m, "kvsidecar_session_l3_read_seconds_per_block_count", policy="wait_complete") == 1
     assert value(m, "kvsidecar_l3_read_seconds_per_block_estimate") > 0
+    assert value(m, "kvsidecar_l3_cost_samples") == 1 and value(m, "kvsidecar_l3_cost_seconds_per_block") > 0
+    assert value(m, "kvsidecar_l3_cost_bandwidth_bytes_per_second") > 0
     assert value(m, "kvsidecar_leases_released_total", cause="released") == 1
     assert value(m, "kvsidecar_leases_released_total", cause="aborted") == 1
     assert total(m, "kvsidecar_leases") == 0 and value(m, "kvsidecar_reserved_bytes") == 0

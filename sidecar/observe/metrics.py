@@ -193,8 +193,10 @@ class MetricsService(Service, SessionObserver):
         }
         if self.tier is not None:
             backend = self.tier.backend.stats()
+            est = self.tier.cost.estimate()
             snap["tier"] = {"counters": dict(self.tier.counters), "backend": backend,
-                            "read_s_per_block": self.tier.read_s_per_block}
+                            "read_s_per_block": self.tier.read_s_per_block,
+                            "cost": (est.latency_s, est.s_per_block, est.samples, self.tier.cost.error)}
         if self.l3ops is not None:
             snap["l3ops"] = {"puts_in_flight": self.l3ops.puts_in_flight, "put_backlog": self.l3ops.put_backlog,
                              "loads_in_flight": self.l3ops.loads_in_flight}
@@ -363,6 +365,15 @@ class _SnapshotCollector:
                              "of one block's L3 read (EWMA)", per_block)
                 yield _gauge("kvsidecar_l3_read_bandwidth_bytes_per_second_estimate", "Block bytes over that "
                              "estimate", bb / per_block)
+            latency, s_block, samples, error = tier["cost"]
+            yield _gauge("kvsidecar_l3_cost_latency_seconds", "The read-cost model's fixed cost of one L3 read "
+                         "(cost_aware's input; the prior until reads are seen)", latency)
+            yield _gauge("kvsidecar_l3_cost_seconds_per_block", "The read-cost model's per-block cost", s_block)
+            yield _gauge("kvsidecar_l3_cost_bandwidth_bytes_per_second", "Block bytes over that per-block cost",
+                         bb / s_block if s_block > 0 else 0.0)
+            yield _gauge("kvsidecar_l3_cost_samples", "Reads the read-cost model has seen (0: the prior alone)", samples)
+            yield _gauge("kvsidecar_l3_cost_relative_error", "Mean |predicted - measured| / measured of its "
+                         "predictions", error)
             ops = snap.get("l3ops")
             if ops:
                 yield _gauge("kvsidecar_l3_puts_in_flight", "Write-behind PUTs in flight", ops["puts_in_flight"])
