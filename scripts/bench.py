@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     module = importlib.import_module(f".{SUITES[args.suite]}", __package__) if __package__ \
         else importlib.import_module(SUITES[args.suite])
     if args.suite in REPEATS_ITSELF:
-        n, result = 1, module.run(quick=args.quick)
+        result = module.run(quick=args.quick)
+        n = result.get("trials", 1)
     else:
         n = args.trials or (3 if args.quick else 5)
         result = trials_mod.aggregate(trials_mod.repeat(module.run, n, quick=args.quick))
