@@ -54,7 +54,8 @@ def main(argv=None) -> int:
         else importlib.import_module(SUITES[args.suite])
     if args.suite in REPEATS_ITSELF:
         result = module.run(quick=args.quick)
-        n = result.get("trials", 1)
+        t = result.get("trials", 1)
+        n = len(t) if isinstance(t, list) else t
     else:
         n = args.trials or (3 if args.quick else 5)
         result = trials_mod.aggregate(trials_mod.repeat(module.run, n, quick=args.quick))
