@@ -141,6 +141,13 @@ class EngineAdapter:
         prev = self._prefill_s_per_block
         self._prefill_s_per_block = sample if prev is None else 0.7 * prev + 0.3 * sample
 
+    def eta_s(self, blocks_ahead: int, busy_s: float = 0.0) -> float | None:
+        """cost_aware's ETA: when a request can start its prefill, given the blocks the engine
+        will prefill before it (queue ahead) and what the running batch still needs (``busy_s``).
+        None while the prefill cost is unknown."""
+        c = self._prefill_s_per_block
+        return None if c is None else max(0.0, busy_s) + max(0, blocks_ahead) * c
+
     def on_queue_entry(self, req: str, token_ids, eta_s: float | None = None) -> None:
         """Start prefetching the request's full chain as it enters the waiting queue.
 

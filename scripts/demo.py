@@ -8,7 +8,7 @@ sessions ran (the busiest moment of the last arm).  L3 is a real local Mooncake 
 Mooncake is installed, else the embedded file store.  Mooncake's own log goes to
 ``<run_dir>/<instance>-mooncake.log``; ``--native-log console`` shows it here instead.
 
-    python scripts/demo.py [--l3 file|mooncake|auto] [--native-log file|console]
+    python -m scripts.demo [--l3 file|mooncake|auto] [--native-log file|console]   (from the repo root)
 """
 
 from __future__ import annotations

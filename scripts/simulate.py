@@ -37,6 +37,7 @@ from pathlib import Path
 
 from shm.layout import KVLayout
 
+from scripts import trials as trials_mod
 from scripts.sim_virtual import ARMS, SimParams, bounds_for
 
 STEP_S = 0.002  # one scheduler loop iteration while nothing is ready
@@ -132,9 +133,9 @@ class _Rank:
             return None
         return [self.free_pages.pop() for _ in range(n)]
 
-    def eta_s(self, position: int) -> float:
+    def eta_s(self, position: int) -> float | None:
         """When the request at ``position`` can start: the prefills ahead of it (the engine is idle now)."""
-        return sum(len(self.stream[r][1]) // self.T for r in self.queue[:position]) * self.compute_s_per_block()
+        return self.ad.eta_s(sum(len(self.stream[r][1]) // self.T for r in self.queue[:position]))
 
     def step(self, step: int, arrivals: list, t0: float):
         for rid in arrivals:
@@ -434,6 +435,7 @@ def main(argv=None) -> int:
     p.add_argument("--l3-mbps", type=float)
     p.add_argument("--budget-s", type=float, default=0.25)
     p.add_argument("--arms", help="comma-separated subset of " + ",".join(ARMS))
+    p.add_argument("--trials", type=int, default=1, help="repeat the whole run (arms interleaved); median [min..max]")
     p.add_argument("--l3", choices=["file", "mooncake", "auto"], default="file",
                    help="warm L3 on the embedded file store, or on a local Mooncake cluster (auto: if installed)")
     args = p.parse_args(argv)
@@ -441,11 +443,20 @@ def main(argv=None) -> int:
         args.l3 = "mooncake" if mooncake_available() else "file"
     logging.basicConfig(level=logging.WARNING)
     arms = args.arms.split(",") if args.arms else None
-    out = simulate(args.quick, args.l3_mbps, args.budget_s, l3=args.l3, arms=arms)
-    print_table(out)
-    if args.json:
-        for a in out["arms"].values():
+    runs = []
+    for _ in range(args.trials):  # each trial runs every arm in turn: the arms are interleaved
+        runs.append(simulate(args.quick, args.l3_mbps, args.budget_s, l3=args.l3, arms=arms))
+        for a in runs[-1]["arms"].values():
             a.pop("results", None)
+        print_table(runs[-1])
+    out = runs[0] if args.trials == 1 else {"trials": args.trials, "aggregate": trials_mod.aggregate(runs)}
+    if args.trials > 1:
+        agg = out["aggregate"]["arms"]
+        print(f"\nmedian [min..max] over {args.trials} interleaved trials:")
+        for arm, a in agg.items():
+            print(f"  {arm:<20} p50 {trials_mod.fmt(a['ttft_p50_ms'], 0):>20}  p90 {trials_mod.fmt(a['ttft_p90_ms'], 0):>20}"
+                  f"  corrupt {trials_mod.fmt(a['corrupt'], 0)}  ranks agree {a['ranks_agree']}")
+    if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True))
         print(f"\nJSON written to {args.json}")
     return 0

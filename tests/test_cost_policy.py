@@ -132,7 +132,7 @@ def test_machine_slow_l3_with_slack_reads_what_hides_behind_the_queue_then_stops
     s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
     a = s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
     assert [c.count for c in claims(a)] == [8, 3]  # 11 blocks land by the eta
-    assert s.sealed and s.status == Status.COST and s.keep_admitted  # they still pay: keep them
+    assert not s.sealed  # they still pay: no stop while they are in flight (a later ETA may want more)
     f = run_to_end(s, 0.1)
     assert f == Finish(Status.COST, 11, "cost")
 
@@ -170,9 +170,9 @@ def test_machine_replan_with_a_later_eta_claims_more():
 
 
 def test_machine_replan_after_a_cost_stop_changes_nothing():
-    s = session(outlook=ol(eta=0.1, regime=SLOW))
-    s.handle(QueryDone(64, 0.0, ol(eta=0.1, regime=SLOW)))
-    assert s.sealed
+    s = session(outlook=ol(eta=0.0, regime=SLOW))
+    s.handle(QueryDone(64, 0.0, ol(eta=0.0, regime=SLOW)))
+    assert s.sealed and s.state == State.TERMINAL
     assert s.handle(Replan(0.01, ol(eta=9.0, regime=SLOW))) == []
 
 
@@ -273,9 +273,19 @@ def test_executor_poll_with_an_eta_replans_once_per_step():
     c2 = b2.chain("a", 40)
     b2.prefetch("r", c2, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.1)
     b2.tier.answer_lookups()
-    assert sum(len(r.keys) for r in b2.tier.reads) // 16 == 4 + 0  # 4 land by 0.1 s (0.081 s)
+    assert sum(len(r.keys) for r in b2.tier.reads) // 16 == 4  # 4 land by 0.1 s (0.081 s)
+    b2.loop.advance(0.081)  # the read takes its time: then nothing more lands before the ETA
     b2.tier.run_all()
     assert terminal(b2, "r")["prefix"] == 4
+    # a poll moving the ETA later re-plans: more hides behind the queue
+    b3 = Bench(blocks=64, chunk_max_blocks=4)
+    b3.tier.estimate = ReadEstimate(0.001, 0.02, 5)
+    c3 = b3.chain("a", 40)
+    b3.prefetch("r", c3, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.1)
+    b3.tier.answer_lookups()
+    b3.sm.op_poll(b3.conn, {"req": "r", "step": 1, "eta_s": 1.0})
+    b3.loop.settle()
+    assert sum(len(r.keys) for r in b3.tier.reads) // 16 == 8  # a second chunk (the window)
     del c
 
 
@@ -301,3 +311,71 @@ def test_eta_and_prefill_cost_are_validated_on_the_wire():
         decode_request(frame(op="poll", req="r", eta_s="soon"))
     assert e.value.code == ErrorCode.MALFORMED
     assert decode_request(frame(op="poll", req="r", eta_s=0.25))["eta_s"] == 0.25
+
+
+# -- every trigger x estimate regime -------------------------------------------------------------
+REGIMES = {
+    "fast": dict(eta=0.0, regime=FAST),
+    "slow_idle": dict(eta=0.0, regime=SLOW),
+    "slow_slack": dict(eta=0.2, regime=SLOW),
+    "unknown_prefill": dict(eta=0.2, regime=FAST, prefill_s_per_block=0.0),
+    "no_evidence": dict(eta=0.0, regime=SLOW, probe_blocks=4),
+}
+TRIGGERS = ("chunk_done", "demand", "replan_later", "tick", "abort")
+EXPECT = {  # (regime, trigger) -> final status; unlisted: the regime's default
+    ("fast", "tick"): Status.TIMEOUT, ("fast", "abort"): Status.ABORTED,
+    ("slow_slack", "tick"): Status.TIMEOUT, ("slow_slack", "abort"): Status.ABORTED,
+    ("no_evidence", "abort"): Status.ABORTED, ("no_evidence", "tick"): Status.TIMEOUT,
+}
+DEFAULT = {"fast": Status.COMPLETE, "slow_idle": Status.COST, "slow_slack": Status.COST,
+           "unknown_prefill": Status.COST, "no_evidence": Status.COST}
+
+
+def _outlook(spec, **over):
+    kw = dict(spec)
+    regime = kw.pop("regime")
+    kw.update(over)
+    return Outlook(eta=kw.pop("eta"), prefill_s_per_block=kw.pop("prefill_s_per_block", PREFILL),
+                   **{**regime, **kw})
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("trigger", TRIGGERS)
+def test_every_trigger_in_every_estimate_regime(regime, trigger):
+    spec = REGIMES[regime]
+    o = _outlook(spec)
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, 0.005 if trigger == "tick" else None, outlook=o))
+    out = s.handle(Start(0.0)) + s.handle(QueryDone(64, 0.0, o))
+    claimed = sum(c.count for c in claims(out))
+    if regime == "slow_idle":
+        assert claimed == 0 and s.state == State.TERMINAL  # nothing is worth reading
+    elif regime == "no_evidence":
+        assert claimed == 4  # one probe, nothing else until it has measured L3
+    elif regime in ("slow_slack",):
+        assert claimed == 11  # what lands by the ETA
+    elif regime == "unknown_prefill":
+        assert claimed == 0  # nothing to save: restoring only costs
+    now = 0.01
+    if trigger == "chunk_done" and s.chunks:
+        c = min(s.chunks.values(), key=lambda c: c.start)
+        out += s.handle(ChunkDone(c.id, (True,) * c.count, now, o))
+    elif trigger == "demand":
+        out += s.handle(Demand(now, _outlook(spec, eta=now)))
+    elif trigger == "replan_later":
+        out += s.handle(Replan(now, _outlook(spec, eta=spec["eta"] + 1.0)))
+    elif trigger == "tick":
+        out += s.handle(Tick(now))
+    else:
+        out += s.handle(Abort(now))
+    while s.state != State.TERMINAL:  # complete whatever is in flight, in chain order
+        c = min((c for c in s.chunks.values() if c.ok is None), key=lambda c: c.start)
+        now += 0.05
+        out += s.handle(ChunkDone(c.id, (True,) * c.count, now, o))
+    fins = [a for a in out if isinstance(a, Finish)]
+    assert len(fins) == 1 and fins[0].prefix <= s.published
+    assert fins[0].status == EXPECT.get((regime, trigger), DEFAULT[regime]), (fins[0], s.published)
+    if regime == "slow_slack" and trigger == "replan_later":
+        assert s.published > 11  # a later ETA hides more behind the queue
+    if regime == "slow_slack" and trigger == "demand":
+        assert s.published <= 11 and not s.keep_admitted  # the engine could start now: nothing more
+    assert not s.chunks and s.in_flight == 0

@@ -296,9 +296,11 @@ class Session:
         n = cost.next_claim(o, now, self.target - self.next_pos, self.p.chunk_max_blocks, current_end,
                             self.claimed_any, self.queued_s)
         if n == 0:
+            keep = cost.keep_admitted(o, current_end)
+            if keep and self.in_flight:
+                return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
             self._seal(Status.COST, "cost")
-            # a probe is read to the end: it is the evidence the next decision needs
-            self.keep_admitted = cost.keep_admitted(o, current_end)
+            self.keep_admitted = keep  # False: withdraw what has not started
             return 0
         if not commit:
             return 0
