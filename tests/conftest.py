@@ -46,6 +46,26 @@ def _children() -> set[int]:
     return out
 
 
+RUN_DIR = "/tmp/kvsidecar"  # sidecar.config's default run_dir, which most tests' sidecars use
+
+
+@pytest.fixture(autouse=True, scope="session")
+def run_dir_files_removed():
+    """A sidecar leaves its file-store L3 directory (data, by design), its Mooncake log and, when
+    killed, its ready marker in the run dir; this run's (named with SHM_PREFIX) go at the end."""
+    yield
+    import shutil
+
+    try:
+        names = os.listdir(RUN_DIR)
+    except FileNotFoundError:
+        return
+    for n in names:
+        if n.startswith(SHM_PREFIX):
+            path = os.path.join(RUN_DIR, n)
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     before_segs = _our_segments()
