@@ -37,6 +37,8 @@ trivially.
 * **Threads**: every calling thread has its own sidecar connection
   (:class:`connector.thread_conns.PerThreadConnectors`); the backend's own tables are
   guarded by one lock that is never held across a sidecar call.
+* ``sessions.enabled = false``: no sessions -- ``batch_exists`` restores the whole chain from
+  L3 itself (SGLang's prefetch thread waits for the data), the behaviour before the plugin.
 * When the sidecar is absent, dies or is slow, every call answers miss / False within its
   deadline and SGLang keeps serving; each thread re-attaches on a later call.
 
@@ -55,7 +57,7 @@ import threading
 from native.copy import copy_regions
 from native.hashing import murmur3_128
 from shm.chain import span as chain_span
-from shm.errors import KvSidecarError
+from shm.errors import KvSidecarError, SidecarUnavailable
 from shm.layout import KVLayout
 
 from .kv_client import KVConnector
@@ -166,14 +168,26 @@ class KvSidecarHiCacheStorage(_Base):
         return self.conns.current() if self.conns is not None else None
 
     def _call(self, fn, default):
-        conn = self.conns.current() if self.conns is not None and self.mem_pool_host is not None else None
-        if conn is None:
-            self.counters["degraded_calls"] += 1
-            return default
-        try:
-            return fn(conn)
-        except KvSidecarError as exc:
-            log.warning("kvsidecar call failed (%s); answering miss", exc)
+        """``fn(this thread's connector)``, or ``default`` (a miss) when the sidecar is unavailable.
+
+        A connection to an incarnation that is gone (the sidecar was restarted) re-attaches at
+        once and runs ``fn`` again, once, from the start; a sidecar that is down answers miss
+        and is retried after ``reattach_every_s``."""
+        for retry in (False, True):
+            conn = self.conns.current() if self.conns is not None and self.mem_pool_host is not None else None
+            if conn is None:
+                self.counters["degraded_calls"] += 1
+                return default
+            try:
+                return fn(conn)
+            except SidecarUnavailable as exc:
+                if not retry and not conn.client.attached:
+                    log.info("kvsidecar %s: %s; re-attaching", self.instance, exc)
+                    continue
+                failure = exc
+            except KvSidecarError as exc:
+                failure = exc
+            log.warning("kvsidecar call failed (%s); answering miss", failure)
             self.counters["degraded_calls"] += 1
             self.conns.broken()
             return default
@@ -297,6 +311,8 @@ class KvSidecarHiCacheStorage(_Base):
         chain = self._chain(keys)
         if not self.use_l3:
             return self._call(lambda c: c.lookup(chain), 0)
+        if not self.config.sessions.enabled:
+            return min(len(keys), self._call(lambda c: _restore_then_lookup(c, chain, len(keys)), 0))
         rid, attempt, driven = self._identity(keys)
         with self._lock:
             early = self._early.pop((rid, attempt), None)
@@ -480,6 +496,15 @@ class KvSidecarHiCacheStorage(_Base):
         if self.conns is not None:
             self.conns.close_all()
             self.conns = None
+
+
+def _restore_then_lookup(c, chain: bytes, n: int) -> int:
+    """Sessions disabled: the whole-chain restore on the calling thread (it waits for the data)."""
+    hit = c.lookup(chain)
+    if hit < n:
+        c.restore(chain)
+        hit = c.lookup(chain)
+    return hit
 
 
 def _indices(pool, pages):

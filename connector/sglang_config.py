@@ -31,6 +31,7 @@ class PluginConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SessionConfig:
+    enabled: bool = True  # False: no sessions at all -- batch_exists restores the whole chain itself (blocking)
     policy: str = "timeout"  # kvsidecar's stop policy for every request SGLang prefetches
     chunk_max_blocks: int = 0  # 0: the sidecar's [sessions] chunk_max_blocks
     budget_s: float | None = None  # timeout policy: None = the sidecar's min(max, base + per_ki_token x tokens)
