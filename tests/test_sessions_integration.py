@@ -297,3 +297,12 @@ def test_wait_answers_at_the_query_at_a_published_count_and_at_its_deadline(side
         wait_terminal(c, "t")
         s = books(c)
         assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_wait_for_terminal_outlasts_the_query(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "e", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        v = c.wait("e", terminal=True, timeout_s=20.0)
+        assert v["state"] == "terminal" and v["status"] == "complete" and v["prefix"] == N and not v.get("timed_out")
+        assert get_and_check(c, l3_filled, "e", kv) == N

@@ -184,14 +184,14 @@ class SessionManager(Service):
 
     def op_wait(self, conn, msg):
         """Deferred: the view once the session's L3 query is done (or ``until`` blocks are
-        published), once it is terminal, or at ``wait_s`` (see ``sidecar.prefetch.waits``)."""
+        published; or, with ``terminal``, only at its end), once it is terminal, or at ``wait_s`` (see ``sidecar.prefetch.waits``)."""
         rec = self.records.get(self._key(conn, msg))
         if rec is None:
             return {"state": "unknown"}
-        until = msg.get("until")
-        if satisfied(rec.machine, until):
+        until, terminal = msg.get("until"), bool(msg.get("terminal"))
+        if satisfied(rec.machine, until, terminal):
             return self._view(rec)
-        self.waits.add(conn, msg["id"], rec.id, until, msg.get("wait_s"), lambda: self._view(rec))
+        self.waits.add(conn, msg["id"], rec.id, until, terminal, msg.get("wait_s"), lambda: self._view(rec))
         return DEFERRED
 
     def _view(self, rec: Record, existed: bool = False) -> dict:

@@ -4,6 +4,7 @@ A ``wait`` completes when the session can answer what the caller needs, or at it
 
 * ``until`` absent: the session's L3 query is done (it knows its target: resident + L3 hit),
 * ``until = n``: ``n`` blocks of its chain are published (or it can publish no more),
+* ``terminal``: only when the session has ended,
 * in every case: the session is terminal.
 
 The reply is the session's view at that moment (the same fields as ``poll``).  The executor
@@ -30,11 +31,14 @@ class Waiter:
     conn: object
     rid: int
     until: int | None
+    terminal: bool = False
 
 
-def satisfied(machine, until: int | None) -> bool:
+def satisfied(machine, until: int | None, terminal: bool = False) -> bool:
     if machine.state == State.TERMINAL:
         return True
+    if terminal:
+        return False
     if until is None:
         return machine.state not in (State.CREATED, State.QUERYING)
     return machine.published >= until
@@ -49,9 +53,10 @@ class SessionWaits:
         self.answered = 0
         self.timed_out = 0
 
-    def add(self, conn, rid: int, sid: int, until: int | None, timeout_s: float | None, view) -> None:
+    def add(self, conn, rid: int, sid: int, until: int | None, terminal: bool, timeout_s: float | None,
+            view) -> None:
         budget = DEFAULT_WAIT_S if timeout_s is None else max(0.0, min(float(timeout_s), MAX_WAIT_S))
-        w = Waiter(next(self._ids), conn, rid, until)
+        w = Waiter(next(self._ids), conn, rid, until, terminal)
         self.by_session.setdefault(sid, []).append(w)
         self.host.call_at(self.clock() + budget, self._expired, sid, w.id, view)
 
@@ -62,7 +67,7 @@ class SessionWaits:
             return
         keep = []
         for w in waiters:
-            if satisfied(machine, w.until):
+            if satisfied(machine, w.until, w.terminal):
                 self.answered += 1
                 self.host.reply(w.conn, w.rid, view())
             else:

@@ -207,7 +207,7 @@ def _prefetch_arm(rank, arm, spec, c, ctrl, host, backend, tokens, want, CacheRe
         if ack.completed_req:
             break
         assert time.monotonic() < deadline
-    view = c.wait(rid, timeout_s=10.0)  # terminal (read before the clean-up below)
+    view = c.wait(rid, terminal=True, timeout_s=10.0)  # terminal (read before the clean-up below)
     backend.end(rid, 0)  # check_prefetch_progress done (or the release): the plugin's clean-up
     got = page_bytes(host, indices[:completed]) if completed else b""
     data_ok = got == want[:len(got)]  # every page SGLang took is this rank's shard, bit-exact
