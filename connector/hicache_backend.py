@@ -57,7 +57,7 @@ import threading
 from native.copy import copy_regions
 from native.hashing import murmur3_128
 from shm.chain import span as chain_span
-from shm.errors import KvSidecarError, SidecarUnavailable
+from shm.errors import ErrorCode, KvSidecarError, RemoteError, SidecarUnavailable
 from shm.layout import KVLayout
 
 from .kv_client import KVConnector
@@ -102,7 +102,8 @@ class SessionRef:
     attempt: int
     chain: bytes  # the full kvsidecar chain of the queried span
     positions: dict  # SGLang page key -> position in ``chain``
-    demanded: bool = False
+    demanded: bool = False  # the scheduler saw the request as a candidate
+    ended: bool = False  # the scheduler is done with it (consumed, terminated, aborted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,7 @@ class KvSidecarHiCacheStorage(_Base):
         for retry in (False, True):
             conn = self.conns.current() if self.conns is not None and self.mem_pool_host is not None else None
             if conn is None:
-                self.counters["degraded_calls"] += 1
+                self._count("degraded_calls")
                 return default
             try:
                 return fn(conn)
@@ -188,7 +189,7 @@ class KvSidecarHiCacheStorage(_Base):
             except KvSidecarError as exc:
                 failure = exc
             log.warning("kvsidecar call failed (%s); answering miss", failure)
-            self.counters["degraded_calls"] += 1
+            self._count("degraded_calls")
             self.conns.broken()
             return default
 
@@ -238,14 +239,17 @@ class KvSidecarHiCacheStorage(_Base):
                 self._anon.clear()
         return f"anon:{tail}:{len(keys)}:{n}", 0, False
 
-    def _register(self, ref: SessionRef) -> None:
+    def _register_locked(self, ref: SessionRef) -> None:
+        old = self._sessions.pop((ref.rid, ref.attempt), None)
+        if old is not None:
+            self._unindex(old)
+        self._sessions[(ref.rid, ref.attempt)] = ref
+        for k in ref.positions:
+            self._by_key[k] = ref
+
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            old = self._sessions.pop((ref.rid, ref.attempt), None)
-            if old is not None:
-                self._unindex(old)
-            self._sessions[(ref.rid, ref.attempt)] = ref
-            for k in ref.positions:
-                self._by_key[k] = ref
+            self.counters[name] += n
 
     def _unindex(self, ref: SessionRef) -> None:
         for k in ref.positions:
@@ -280,8 +284,17 @@ class KvSidecarHiCacheStorage(_Base):
             if ref.demanded:
                 return
             ref.demanded = True
-        self.counters["demands"] += 1
-        self._call(lambda c: c.demand(key[0], attempt=key[1]), None)
+        self._count("demands")
+
+        def run(c):
+            try:
+                c.demand(key[0], attempt=key[1])
+            except RemoteError as exc:
+                if exc.code != ErrorCode.UNKNOWN_ID:
+                    raise
+                # the query thread's prefetch has not reached the sidecar yet: it sends the demand
+
+        self._call(run, None)
 
     def end(self, rid: str, attempt: int = 0, abort: bool = True) -> None:
         """The request's prefetch is over for SGLang (consumed, terminated, revoked or aborted):
@@ -289,6 +302,8 @@ class KvSidecarHiCacheStorage(_Base):
         key = (str(rid), int(attempt or 0))
         with self._lock:
             ref = self._sessions.pop(key, None)
+            if ref is not None:
+                ref.ended = True
             if ref is None:
                 if key not in self._ended:  # the query has not run yet: it must not start a session
                     self._early[key] = "abort"
@@ -300,12 +315,12 @@ class KvSidecarHiCacheStorage(_Base):
             while len(self._ended) > 4096:
                 self._ended.popitem(last=False)
         if abort:
-            self.counters["aborts"] += 1
+            self._count("aborts")
             self._call(lambda c: c.abort(key[0], attempt=key[1]), None)
 
     # -- the v1 interface -------------------------------------------------------------------------
     def batch_exists(self, keys, extra_info=None) -> int:
-        self.counters["exists_calls"] += 1
+        self._count("exists_calls")
         if not keys:
             return 0
         chain = self._chain(keys)
@@ -314,34 +329,46 @@ class KvSidecarHiCacheStorage(_Base):
         if not self.config.sessions.enabled:
             return min(len(keys), self._call(lambda c: _restore_then_lookup(c, chain, len(keys)), 0))
         rid, attempt, driven = self._identity(keys)
-        with self._lock:
-            early = self._early.pop((rid, attempt), None)
-        if early == "abort":
-            return 0  # the request left before its query ran
         s = self.config.sessions
         policy = s.policy if driven else "timeout"
-        ref = SessionRef(rid, attempt, chain, {k: i for i, k in enumerate(keys)}, demanded=early == "demand")
+        ref = SessionRef(rid, attempt, chain, {k: i for i, k in enumerate(keys)})
+        with self._lock:  # registered before the prefetch: a demand or end from the scheduler finds it
+            early = self._early.pop((rid, attempt), None)
+            if early == "abort":
+                return 0  # the request left before its query ran
+            ref.demanded = early == "demand"
+            self._register_locked(ref)
 
         def run(c):
             view = c.prefetch(chain, rid, attempt=attempt, policy=policy, budget_s=s.budget_s,
                               chunk_max_blocks=s.chunk_max_blocks or None,
                               tokens=len(keys) * self.layout.tokens_per_block)
-            self._register(ref)
-            self.counters["sessions_joined" if view.get("existed") else "sessions_started"] += 1
-            if ref.demanded:
-                self.counters["demands"] += 1
+            self._count("sessions_joined" if view.get("existed") else "sessions_started")
+            with self._lock:
+                demanded, ended = ref.demanded, ref.ended
+            if ended:  # the scheduler was done with it while the prefetch was on its way
+                c.abort(rid, attempt=attempt)
+                return 0
+            if demanded:  # (again: a demand sent before the prefetch arrived found no session)
                 c.demand(rid, attempt=attempt)
             if view["state"] in ("created", "querying"):
                 view = c.wait(rid, attempt=attempt, timeout_s=s.query_wait_s)
                 if view.get("timed_out"):
-                    self.counters["query_wait_timeouts"] += 1
+                    self._count("query_wait_timeouts")
             if view["state"] == "terminal":
                 return view["prefix"]
             if view["state"] in ("created", "querying", "unknown"):
                 return view.get("published", 0)  # L3 did not answer in time: the resident prefix only
             return view["target"]
 
-        return min(len(keys), self._call(run, 0))
+        hit = self._call(run, None)
+        if hit is None:  # no sidecar: nothing to track
+            with self._lock:
+                if self._sessions.get((rid, attempt)) is ref:
+                    del self._sessions[(rid, attempt)]
+                    self._unindex(ref)
+            return 0
+        return min(len(keys), hit)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list:
         n = len(keys)
@@ -366,7 +393,7 @@ class KvSidecarHiCacheStorage(_Base):
             def run(c):
                 view = c.wait(ref.rid, attempt=ref.attempt, until=end, timeout_s=self.config.sessions.get_wait_s)
                 if view.get("timed_out"):
-                    self.counters["get_wait_timeouts"] += 1
+                    self._count("get_wait_timeouts")
                 # group-consistent: every rank gets the same blocks for this batch of this request
                 lease = c.get(chain_span(ref.chain, 0, end), req=ref.rid, attempt=ref.attempt or None, step=off)
                 try:
@@ -378,8 +405,8 @@ class KvSidecarHiCacheStorage(_Base):
                 return got
 
         got = self._call(run, 0)
-        self.counters["get_pages_ok"] += got
-        self.counters["get_pages_missed"] += n - got
+        self._count("get_pages_ok", got)
+        self._count("get_pages_missed", n - got)
         return [i < got for i in range(n)]
 
     def _store(self, c, chain: bytes, keys):
@@ -412,8 +439,8 @@ class KvSidecarHiCacheStorage(_Base):
             return [True] * n
 
         res = self._call(run, [False] * n)
-        self.counters["set_pages_ok"] += sum(res)
-        self.counters["set_pages_failed"] += n - sum(res)
+        self._count("set_pages_ok", sum(res))
+        self._count("set_pages_failed", n - sum(res))
         return res
 
     # -- the generic interface (whole pages as uint8 tensors; this rank's shard) ------------------
@@ -490,7 +517,8 @@ class KvSidecarHiCacheStorage(_Base):
         self._call(lambda c: c.flush(), 0)
 
     def get_stats(self):
-        return dict(self.counters)
+        with self._lock:
+            return dict(self.counters)
 
     def close(self) -> None:
         if self.conns is not None:
