@@ -102,7 +102,7 @@ def test_plugin_drives_sessions_tp2(sidecar_factory, instance, tmp_path):
     p = v["prefix"]
     assert v["status"] == "timeout" and 0 < p < PAGES, v
     assert t0["completed_tokens"] == p * W.PAGE, (t0["completed_tokens"], v)
-    assert t0["l3_read_blocks"] <= p + WINDOW * CHUNK, (t0["l3_read_blocks"], p)
+    assert p <= t0["l3_read_blocks"] <= p + WINDOW * CHUNK, (t0["l3_read_blocks"], p)  # from L3, bounded
     b0, _ = by_arm["best_effort"]
     v = b0["view"]
     assert v["status"] == "demanded" and 2 * CHUNK <= v["prefix"] < PAGES, v
