@@ -275,6 +275,8 @@ class KvSidecarHiCacheStorage(_Base):
 
     def demand(self, rid: str, attempt: int = 0) -> None:
         """SGLang's first readiness check of the request: it is a scheduling candidate now."""
+        if not self.config.sessions.enabled:
+            return
         key = (str(rid), int(attempt or 0))
         with self._lock:
             ref = self._sessions.get(key)
@@ -299,6 +301,8 @@ class KvSidecarHiCacheStorage(_Base):
     def end(self, rid: str, attempt: int = 0, abort: bool = True) -> None:
         """The request's prefetch is over for SGLang (consumed, terminated, revoked or aborted):
         stop the session if it still runs and drop whatever it still holds."""
+        if not self.config.sessions.enabled:
+            return
         key = (str(rid), int(attempt or 0))
         with self._lock:
             ref = self._sessions.pop(key, None)

@@ -165,6 +165,9 @@ def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
 def _factory(ctx):
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
+    if not ctx.enable_hierarchical_cache:
+        raise KvSidecarPluginError(f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs --enable-hierarchical-cache "
+                                   "(and kvsidecar as the HiCache storage backend)")
     return create_unified_radix_cache(ctx, cache_class=radix_cache_class())
 
 
