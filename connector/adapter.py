@@ -48,9 +48,11 @@ class RestoreSlot:
 
 @dataclasses.dataclass
 class AdapterConfig:
-    policy: str = "timeout"  # wait_complete | timeout | best_effort
+    policy: str = "timeout"  # wait_complete | timeout | best_effort | cost_aware
     chunk_max_blocks: int | None = None
-    budget_s: float | None = None  # timeout policy budget (None: the sidecar's formula)
+    budget_s: float | None = None  # timeout policy budget (None: the sidecar's formula); cost_aware: a cap
+    # cost_aware: the engine's prefill cost of one block (None: learnt from observe_prefill)
+    prefill_s_per_block: float | None = None
     store_to_l3: bool = True
     call_timeout_s: float = 2.0
     reattach_every_s: float = 1.0
@@ -69,6 +71,7 @@ class EngineAdapter:
         self._chains: dict[str, bytes] = {}
         self._down_since: float | None = None
         self.misses_degraded = 0
+        self._prefill_s_per_block = self.cfg.prefill_s_per_block  # EWMA of observed prefills
 
     # -- connection management --------------------------------------------------------------------
     @property
@@ -126,15 +129,37 @@ class EngineAdapter:
         return ch
 
     # -- hooks ------------------------------------------------------------------------------------
-    def on_queue_entry(self, req: str, token_ids) -> None:
-        """Start prefetching the request's full chain as it enters the waiting queue."""
+    @property
+    def prefill_s_per_block(self) -> float | None:
+        return self._prefill_s_per_block
+
+    def observe_prefill(self, blocks: int, seconds: float) -> None:
+        """The engine computed ``blocks`` blocks in ``seconds``: refines cost_aware's prefill cost."""
+        if blocks <= 0 or not seconds > 0:
+            return
+        sample = seconds / blocks
+        prev = self._prefill_s_per_block
+        self._prefill_s_per_block = sample if prev is None else 0.7 * prev + 0.3 * sample
+
+    def eta_s(self, blocks_ahead: int, busy_s: float = 0.0) -> float | None:
+        """cost_aware's ETA: when a request can start its prefill, given the blocks the engine
+        will prefill before it (queue ahead) and what the running batch still needs (``busy_s``).
+        None while the prefill cost is unknown."""
+        c = self._prefill_s_per_block
+        return None if c is None else max(0.0, busy_s) + max(0, blocks_ahead) * c
+
+    def on_queue_entry(self, req: str, token_ids, eta_s: float | None = None) -> None:
+        """Start prefetching the request's full chain as it enters the waiting queue.
+
+        ``eta_s``: when the engine expects to start this request's prefill (cost_aware)."""
         chain = self.chain(req, token_ids)
         if not chain:
             return
         c = self.cfg
         if self._call(lambda: self.conn.prefetch(chain, req, policy=c.policy, budget_s=c.budget_s,
                                                  chunk_max_blocks=c.chunk_max_blocks,
-                                                 tokens=len(token_ids)), None) is not None:
+                                                 tokens=len(token_ids), eta_s=eta_s,
+                                                 prefill_s_per_block=self._prefill_s_per_block), None) is not None:
             self.prefetching.add(req)
 
     def on_candidate(self, req: str) -> None:
@@ -142,11 +167,11 @@ class EngineAdapter:
         if req in self.prefetching:
             self._call(lambda: self.conn.demand(req), None)
 
-    def check_progress(self, req: str, step: int) -> tuple[bool, int]:
+    def check_progress(self, req: str, step: int, eta_s: float | None = None) -> tuple[bool, int]:
         """(ready to admit, tokens restorable).  Identical on every rank for the same step."""
         if req not in self.prefetching:
             return True, 0
-        view = self._call(lambda: self.conn.poll(req, step=step), None)
+        view = self._call(lambda: self.conn.poll(req, step=step, eta_s=eta_s), None)
         if view is None or view.get("state") in ("terminal", "unknown"):
             return True, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
         return False, 0

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """kvsidecar benchmarks: each suite prints a table and writes JSON, with its baseline
-measured in the same run (ratios; these machines are noisy).
+measured in the same run (ratios; these machines are noisy), repeated over interleaved trials:
+every figure is the median of the trials with its spread ``[min..max]``.
 
-    python scripts/bench.py ring  [--quick] [--json PATH]
-    python scripts/bench.py startup [--quick]   # pool ready time, first vs second pass, exits
+    python -m scripts.bench ring    [--quick] [--trials N] [--json PATH]
+    python -m scripts.bench load|l3|stop [--quick] [--trials N]
+    python -m scripts.bench startup [--quick]   # pool ready time, first vs second pass, exits
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import json
 import logging
 from pathlib import Path
 
+if __package__:
+    from . import trials as trials_mod
+else:  # python scripts/bench.py: this folder is first on sys.path
+    import trials as trials_mod
+
 SUITES = {
     "ring": "bench_ring",
     "load": "bench_load",
@@ -21,14 +28,14 @@ SUITES = {
     "stop": "bench_stop",
     "startup": "bench_startup",
 }
+REPEATS_ITSELF = {"startup"}  # its own interleaved trials (medians with [min-max])
 
 
 def print_table(title: str, rows: list[tuple[str, object, str]]) -> None:
     print(f"\n{title}")
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
-        v = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"  {name:<{width}}  {v:>14}  {note}")
+        print(f"  {name:<{width}}  {trials_mod.fmt(value):>30}  {note}")
 
 
 def main(argv=None) -> int:
@@ -36,14 +43,21 @@ def main(argv=None) -> int:
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--quick", action="store_true", help="fewer samples (CI-sized)")
     p.add_argument("--json", help="write results to this path")
+    p.add_argument("--trials", type=int, help="interleaved repetitions (default 5, 3 with --quick)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     # a sibling module: ``python scripts/bench.py`` has this folder first on sys.path,
     # ``python -m scripts.bench`` (from the repo root) has the ``scripts`` package
     module = importlib.import_module(f".{SUITES[args.suite]}", __package__) if __package__ \
         else importlib.import_module(SUITES[args.suite])
-    result = module.run(quick=args.quick)
-    print_table(f"kvsidecar bench: {args.suite}{' (quick)' if args.quick else ''}", module.table(result))
+    if args.suite in REPEATS_ITSELF:
+        n, result = 1, module.run(quick=args.quick)
+    else:
+        n = args.trials or (3 if args.quick else 5)
+        result = trials_mod.aggregate(trials_mod.repeat(module.run, n, quick=args.quick))
+        result["trials"] = n
+    title = f"kvsidecar bench: {args.suite}{' (quick)' if args.quick else ''}, median [min..max] of {n} trials"
+    print_table(title, module.table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True))

@@ -13,6 +13,11 @@ from native.copy import copy_bytes
 from shm.layout import KVLayout
 from sidecar.spawn import SidecarProcess
 
+if __package__:
+    from .trials import median as med
+else:  # run from this folder (python scripts/bench.py)
+    from trials import median as med
+
 
 def _bench_load(quick: bool) -> dict:
     lay = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, tokens_per_block=64, tp_size=1)
@@ -128,12 +133,12 @@ def run(quick: bool = False) -> dict:
 
 def table(r: dict):
     return [
-        ("load_gbps", r["load_gbps"], f"get + load of {r['load_blocks']} blocks ({r['load_bytes'] >> 20} MiB) into engine tensors"),
+        ("load_gbps", r["load_gbps"], f"get + load of {med(r['load_blocks']):.0f} blocks ({int(med(r['load_bytes'])) >> 20} MiB) into engine tensors"),
         ("memcpy_gbps", r["memcpy_gbps"], "baseline: one plain memcpy of the same bytes"),
         ("load_vs_memcpy", r["load_vs_memcpy"], "target >= 0.80"),
         ("load_correct", r["load_correct"], "loaded tensors equal the stored ones"),
         ("get_release_us_512", r["get_release_us_512"], "sidecar CPU per get + release of 512 blocks; target <= 50"),
-        ("index_bytes_per_block", r["index_bytes_per_block"], f"at {r['index_blocks']} resident blocks (native arrays + hash table)"),
+        ("index_bytes_per_block", r["index_bytes_per_block"], f"at {med(r['index_blocks']):.0f} resident blocks (native arrays + hash table)"),
         ("teardown_ms_per_gib_4k", r["teardown_ms_per_gib_4k"], "kill -9 of a process that touched the pool -> exit observed, 4 KiB pages"),
         ("teardown_ms_per_gib_huge", r["teardown_ms_per_gib_huge"] if r["teardown_ms_per_gib_huge"] is not None else "n/a",
          "same, hugetlbfs 2 MiB pages (n/a: no huge pages on this machine)"),

@@ -13,6 +13,11 @@ from connector.kv_client import KVConnector
 from shm.layout import KVLayout
 from sidecar.spawn import SidecarProcess
 
+if __package__:
+    from .trials import median as med
+else:  # run from this folder (python scripts/bench.py)
+    from trials import median as med
+
 LAY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, tokens_per_block=16, tp_size=1)  # 32 KiB blocks
 ARMS = {
     "whole_task": dict(policy="wait_complete"),
@@ -110,14 +115,19 @@ def run(quick: bool = False) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _yes(v, yes: str, no: str) -> str:
+    """A per-trial verdict: the same in every trial, or 'mixed'."""
+    return yes if v is True else no if v is False else f"mixed {v}"
+
+
 def table(r: dict):
-    rows = [("full_transfer_ms", r["full_transfer_ms"], f"{r['blocks_per_request']} blocks x {r['block_bytes'] >> 10} KiB per request, shaped L3")]
+    rows = [("full_transfer_ms", r["full_transfer_ms"], f"{med(r['blocks_per_request']):.0f} blocks x {int(med(r['block_bytes'])) >> 10} KiB per request, shaped L3")]
     for arm, a in r["arms"].items():
         rows.append((f"{arm}.stop_p50_ms", a["stop_p50_ms"], "stop trigger -> terminal"))
         rows.append((f"{arm}.stop_p99_ms", a["stop_p99_ms"],
-                     f"bound {a['bound_ms']:.1f} ms (one chunk claim->landed + 5): {'OK' if a['within_bound'] else 'OVER'}"))
+                     f"bound {med(a['bound_ms']):.1f} ms (one chunk claim->landed + 5): {_yes(a['within_bound'], 'OK', 'OVER')}"))
         rows.append((f"{arm}.transfer_ms_p99", a["transfer_ms_p99"],
-                     f"one chunk's L3 read alone; stop p99 within it + 5 ms: {'yes' if a['within_transfer_bound'] else 'no'}"))
+                     f"one chunk's L3 read alone; stop p99 within it + 5 ms: {_yes(a['within_transfer_bound'], 'yes', 'no')}"))
         rows.append((f"{arm}.drain_ms", a["drain_ms"], "seal -> terminal, p50"))
         rows.append((f"{arm}.restored_blocks_mean", a["restored_blocks_mean"], "per request"))
         rows.append((f"{arm}.sidecar_cpu_ms_per_request", a["sidecar_cpu_ms_per_request"], ""))

@@ -6,7 +6,7 @@ into a cold CPU pool) under each prefetch policy arm, prints a table per arm, an
 inspector's read-only view of the sidecar at the end.  L3 is a real local Mooncake cluster
 when Mooncake is installed, else the embedded file store.
 
-    python scripts/demo.py [--l3 file|mooncake|auto]
+    python -m scripts.demo [--l3 file|mooncake|auto]   (from the repo root)
 """
 
 from __future__ import annotations

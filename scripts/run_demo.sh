@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export MC_TCP_BIND_ADDRESS=127.0.0.1
 export PATH="$PWD/.venv/bin:$PATH"  # mooncake_master comes with the venv
-exec .venv/bin/python scripts/demo.py "$@"
+exec .venv/bin/python -m scripts.demo "$@"

@@ -76,12 +76,13 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "prefetch": OpSchema(
         {"req": STR, "chain": CHAIN},
         {"ns": STR, "attempt": INT, "policy": STR, "budget_s": FLOAT, "chunk_max_blocks": INT,
-         "tokens": INT, "checkpoints": INTLIST, "checkpoint_every": INT, "group": STR, "step": INT},
+         "tokens": INT, "checkpoints": INTLIST, "checkpoint_every": INT, "group": STR, "step": INT,
+         "eta_s": FLOAT, "prefill_s_per_block": FLOAT},
         kv=True,
     ),
     "demand": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
     "abort": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
-    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT}, kv=True),
+    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT}, kv=True),
     "wait": OpSchema({"req": STR}, {"attempt": INT, "until": INT, "terminal": BOOL, "wait_s": FLOAT}, kv=True),
 }
 

@@ -30,6 +30,7 @@ from sidecar.config import SidecarConfig, load_config
 from sidecar.kv.ops import KVCore
 from sidecar.l3.base import L3Error
 from sidecar.l3.tier import L3Tier
+from sidecar.l3.cost_model import ReadCostModel
 from sidecar.l3.ops import L3Ops
 from sidecar.prefetch.executor import SessionManager
 from sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment
@@ -103,8 +104,11 @@ class SidecarHost:
             backend = build_backend(cfg, self)
             if backend is not None:
                 backend.register_pool(self.pool_segment.address, self.pool_segment.size)
+                prior = ReadCostModel(cfg.l3.cost_prior_latency_ms / 1e3,
+                                      layout.block_bytes / (cfg.l3.cost_prior_mb_per_s * 1e6))
                 self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
-                                   pool_address=self.pool_segment.address, block_bytes=layout.block_bytes)
+                                   pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
+                                   cost_model=prior)
                 l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions)
             self.core.connect(after_publish=l3ops.write_behind if l3ops is not None else None,

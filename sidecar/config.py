@@ -70,6 +70,10 @@ class L3Config:
     # pool).  A store that would exceed it (while PUTs are pending) is published in the pool but
     # not written to L3 (counted), so a slow L3 never grows memory or pins without bound.
     max_put_backlog_blocks: int = 0
+    # cost_aware's prior for one L3 read (latency + bytes / bandwidth) until reads measure it;
+    # conservative (slow) on purpose: before evidence it restores only what hides behind the queue
+    cost_prior_latency_ms: float = 5.0
+    cost_prior_mb_per_s: float = 10.0
     # shaping / faults (tests and benchmarks)
     latency_ms: float = 0.0
     bandwidth_mbps: float = 0.0
@@ -97,6 +101,12 @@ class SessionsConfig:
     drain_timeout_s: float = 2.0
     drain_floor_s: float = 0.1
     drain_slack: float = 4.0
+    # cost_aware: the engine's prefill cost of one block when a request does not say (0: unknown,
+    # then only what lands before the ETA is restored); a first small chunk probes an L3 that
+    # no read has measured yet
+    prefill_s_per_block: float = 0.0
+    load_s_per_block: float = 0.0
+    probe_blocks: int = 4
 
 
 @dataclasses.dataclass
@@ -133,11 +143,16 @@ class SidecarConfig:
         for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
             if getattr(self.limits, name) < 0:
                 raise ConfigError(f"limits.{name} must be >= 0")
-        policies = ("wait_complete", "timeout", "best_effort")
+        policies = ("wait_complete", "timeout", "best_effort", "cost_aware")
         if self.sessions.policy_override not in ("",) + policies or self.sessions.default_policy not in policies:
             raise ConfigError(f"sessions policies must be one of {policies}")
         if self.sessions.chunk_max_blocks <= 0 or self.sessions.window <= 0:
             raise ConfigError("sessions.chunk_max_blocks and sessions.window must be positive")
+        if not (self.l3.cost_prior_latency_ms >= 0 and self.l3.cost_prior_mb_per_s > 0):
+            raise ConfigError("l3.cost_prior_latency_ms must be >= 0 and l3.cost_prior_mb_per_s > 0")
+        if not (self.sessions.prefill_s_per_block >= 0 and self.sessions.load_s_per_block >= 0
+                and self.sessions.probe_blocks >= 0):
+            raise ConfigError("sessions.prefill_s_per_block, load_s_per_block and probe_blocks must be >= 0")
         if self.l3.backend not in ("file", "mooncake", "none"):
             raise ConfigError("l3.backend must be file, mooncake or none")
         if self.l3.fail not in ("", "first", "tail", "random", "keys"):

@@ -22,7 +22,8 @@ from sidecar.runtime.clients import ClientInfo
 from sidecar.config import LimitsConfig, SessionsConfig
 from sidecar.kv.ops import KVCore
 from sidecar.kv.index import KEY, unpack_ids
-from sidecar.l3.tier import ReadResult
+from sidecar.l3.cost_model import ReadEstimate
+from sidecar.l3.tier import QUEUED, ReadOutlook, ReadResult, read_priority
 from sidecar.service import OpError
 from sidecar.prefetch.executor import SessionManager
 
@@ -77,12 +78,17 @@ class Loop:
 @dataclasses.dataclass
 class Job:
     state: str = "queued"  # queued -> started | cancelled
+    read: object = None
 
     def cancel(self) -> bool:
         if self.state == "queued":
             self.state = "cancelled"
             return True
         return False
+
+    def raise_priority(self, priority: int) -> None:
+        if self.state == "queued" and priority < self.read.priority:
+            self.read.priority = priority
 
 
 @dataclasses.dataclass
@@ -104,14 +110,21 @@ class Tier:
         self._reads: list[Read] = []
         self.read_s_per_block = None
         self.blocks_read = 0
+        self.estimate = ReadEstimate(0.005, 0.001, 0)  # cost_aware's L3 input (the test sets it)
 
     def lookup(self, ns, chain, done):
         self.lookups.append((chain, done))
 
-    def load(self, ns, keys, blocks, done, priority=1):
+    def load(self, ns, keys, blocks, done, priority=QUEUED):
         r = Read(keys, blocks, done, priority, Job())
+        r.job.read = r
         self._reads.append(r)
         return r.job
+
+    def read_outlook(self, priority=QUEUED):
+        ahead = [r for r in self.reads if r.priority <= priority]
+        e = self.estimate
+        return ReadOutlook(e, sum(e.seconds(len(r.keys) // KEY) for r in ahead))
 
     @property
     def reads(self) -> list[Read]:
@@ -389,13 +402,27 @@ def test_fairness_demanded_session_reads_first():
     b.prefetch("x", x, policy="best_effort")
     b.prefetch("y", y, policy="best_effort")
     b.tier.answer_lookups()
-    assert [r.priority for r in b.tier.reads] == [1, 1, 1, 1]
+    # the older request's chunks go first; then a demanded one's go ahead of every queued read
+    assert [r.priority for r in b.tier.reads] == [QUEUED + 1] * 2 + [QUEUED + 2] * 2
     b.sm.op_demand(b.conn, {"req": "y"})  # y is now a scheduling candidate: it stops claiming
     b.loop.settle()
     p = terminal(b, "y") if b.poll("y")["state"] == "terminal" else None
     assert p is None or p["status"] == "demanded"
     b.tier.run_all()
     assert terminal(b, "x")["status"] == "complete" and terminal(b, "y")["status"] == "demanded"
+
+
+def test_a_demanded_session_chunks_run_before_queued_ones():
+    b = Bench(chunk_max_blocks=2)
+    x, y = b.chain("x", 8), b.chain("y", 8)
+    b.prefetch("x", x, policy="timeout", budget_s=30.0)
+    b.prefetch("y", y, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.sm.op_demand(b.conn, {"req": "y"})  # timeout ignores demand, but its next reads jump ahead
+    b.tier.finish(b.tier.reads[2])  # one of y's chunks lands: y claims its next chunk
+    assert min(r.priority for r in b.tier.reads) == read_priority(True, 2) < read_priority(False, 1)
+    b.tier.run_all()
+    assert terminal(b, "x")["prefix"] == 8 and terminal(b, "y")["prefix"] == 8
 
 
 def test_two_sessions_share_blocks_and_read_them_once():

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.prefetch.cost import Outlook
 from sidecar.prefetch.machine import (
     Abort,
     ChunkAbandoned,
@@ -25,6 +26,7 @@ from sidecar.prefetch.machine import (
     Params,
     Policy,
     Publish,
+    Replan,
     Query,
     Session,
     State,
@@ -242,8 +244,17 @@ def test_checkpoints_bound_the_published_prefix():
 def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window, policy, seed, ckpt):
     rng = random.Random(seed)
     resident = min(resident, total)
+    cost = policy == Policy.COST_AWARE
+
+    def look(now):  # a random cost outlook (cost_aware only; others get None or ignore it)
+        if not cost:
+            return None
+        return Outlook(now + rng.uniform(-0.5, 2), rng.uniform(0, 0.1), rng.uniform(0, 0.05),
+                       rng.uniform(0, 0.1), rng.uniform(0, 0.5), rng.uniform(0, 0.01), rng.choice([0, 0, 2]))
+
+    deadline = rng.uniform(0, 3) if policy == Policy.TIMEOUT or (cost and rng.random() < 0.3) else None
     s = mk(policy, total=total, resident=resident, chunk=chunk, window=window,
-           deadline=rng.uniform(0, 3) if policy == Policy.TIMEOUT else None, checkpoint_every=ckpt)
+           deadline=deadline, checkpoint_every=ckpt, outlook=look(0.0))
     now = 0.0
     in_flight, resolved = {}, set()  # chunk id -> (start, count); ids done
     published_to = resident
@@ -281,7 +292,7 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
         r = rng.random()
         if s.state == State.QUERYING and (r < 0.5 or not queried):
             queried = True
-            apply(s.handle(QueryDone(rng.randint(0, total), now)))
+            apply(s.handle(QueryDone(rng.randint(0, total), now, look(now))))
         elif r < 0.55:
             pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
             if pending:
@@ -289,9 +300,11 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
                 start, count, _ = in_flight[cid]
                 ok = [rng.random() > 0.1 for _ in range(count)]
                 in_flight[cid] = (start, count, ok)
-                apply(s.handle(ChunkDone(cid, ok, now)))
+                apply(s.handle(ChunkDone(cid, ok, now, look(now) if rng.random() < 0.7 else None)))
+        elif r < 0.6 and cost:
+            apply(s.handle(Replan(now, look(now))))
         elif r < 0.65:
-            apply(s.handle(Demand(now)))
+            apply(s.handle(Demand(now, look(now))))
         elif r < 0.75:
             apply(s.handle(Tick(now)))
         elif r < 0.78:

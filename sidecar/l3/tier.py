@@ -16,9 +16,44 @@ import time
 from shm.chain import count as id_count, keys as chain_keys
 from sidecar.kv.index import unpack_ids
 from sidecar.l3.base import L3Backend
-from sidecar.l3.workers import Lane
+from sidecar.l3.cost_model import ReadCostModel, ReadEstimate
+from sidecar.l3.workers import Job, Lane
 
 log = logging.getLogger(__name__)
+
+
+DEMANDED, QUEUED = 0, 1 << 40  # read priority classes (lower runs first)
+
+
+def read_priority(demanded: bool, order: int = 0) -> int:
+    """A read's lane priority: reads a scheduling candidate waits on run first; within a class,
+    lower ``order`` first — sessions pass their id, so the older request's chunks go ahead of a
+    younger one's (the engine admits in queue order; interleaving them would delay both)."""
+    return (DEMANDED if demanded else QUEUED) + order
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOutlook:
+    """What a new read of some priority faces: the cost estimate and the lane work ahead of it."""
+
+    estimate: ReadEstimate
+    backlog_s: float  # expected seconds of reads that run before it
+
+
+class ReadHandle:
+    """A read on the lane; ``cancel()`` withdraws it if it has not started (control thread)."""
+
+    __slots__ = ("_lane", "_job")
+
+    def __init__(self, lane: Lane, job: Job):
+        self._lane, self._job = lane, job
+
+    def cancel(self) -> bool:
+        return self._lane.cancel(self._job)
+
+    def raise_priority(self, priority: int) -> None:
+        """Run sooner if still queued (e.g. its request became a scheduling candidate)."""
+        self._lane.raise_priority(self._job, priority)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +69,8 @@ class ReadResult:
 
 
 class L3Tier:
-    def __init__(self, backend: L3Backend, post, *, fingerprint: bytes, pool_address: int, block_bytes: int):
+    def __init__(self, backend: L3Backend, post, *, fingerprint: bytes, pool_address: int, block_bytes: int,
+                 cost_model: ReadCostModel | None = None):
         self.backend = backend
         self.prefix = f"kvs1/{fingerprint.hex()}"
         self.pool_address = pool_address
@@ -45,6 +81,9 @@ class L3Tier:
         self.counters = collections.Counter()
         # running estimate of one block's read time (EWMA over successful reads; None until one)
         self.read_s_per_block: float | None = None
+        # latency + per-block cost of a read (cost_aware's L3 input); the default prior is a
+        # conservative 5 ms + 10 MB/s until reads say otherwise (l3.cost_prior_* in the config)
+        self.cost = cost_model or ReadCostModel(0.005, block_bytes / 10e6)
 
     def start(self) -> None:
         for lane in (self.meta, self.reader, self.writer):
@@ -82,7 +121,7 @@ class L3Tier:
 
         self.meta.submit(lambda: self.backend.exists(keys), finish)
 
-    def load(self, ns: str, chain: bytes, blocks: bytes, done, priority: int = 1):
+    def load(self, ns: str, chain: bytes, blocks: bytes, done, priority: int = QUEUED):
         """Read ``chain``'s blocks into pool ``blocks``; ``done(ReadResult)`` on the control thread."""
         keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), id_count(blocks)
         size = self.block_bytes
@@ -101,9 +140,17 @@ class L3Tier:
                 sample = result.seconds / n
                 prev = self.read_s_per_block
                 self.read_s_per_block = sample if prev is None else 0.8 * prev + 0.2 * sample
+            if good == n:
+                self.cost.observe(n, result.seconds)
             done(result)
 
-        return self.reader.submit(work, finish, priority)
+        return ReadHandle(self.reader, self.reader.submit(work, finish, priority, weight=n))
+
+    def read_outlook(self, priority: int = QUEUED) -> ReadOutlook:
+        """The cost estimate and the read-lane backlog a new read of ``priority`` would face."""
+        est = self.cost.estimate()
+        jobs, blocks = self.reader.ahead(priority)
+        return ReadOutlook(est, jobs * est.latency_s + blocks * est.s_per_block)
 
     def store(self, ns: str, chain: bytes, blocks: bytes, done) -> None:
         """Write pool ``blocks`` under ``chain``'s keys; ``done(per_block_ok)``."""
@@ -120,5 +167,9 @@ class L3Tier:
         self.writer.submit(lambda: self.backend.write(keys, addrs, size), finish)
 
     def stats(self) -> dict:
-        return {**dict(self.counters), "meta": self.meta.stats(), "read": self.reader.stats(),
+        est = self.cost.estimate()
+        cost = {"latency_ms": round(est.latency_s * 1e3, 3), "s_per_block_us": round(est.s_per_block * 1e6, 3),
+                "mb_per_s": round(self.block_bytes / est.s_per_block / 1e6, 3), "samples": est.samples,
+                "error": round(self.cost.error, 4)}
+        return {**dict(self.counters), "cost": cost, "meta": self.meta.stats(), "read": self.reader.stats(),
                 "write": self.writer.stats(), "backend": self.backend.stats()}

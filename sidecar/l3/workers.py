@@ -30,10 +30,11 @@ _STOP = object()
 
 
 class Job:
-    __slots__ = ("work", "done", "state", "lock", "priority")
+    __slots__ = ("work", "done", "state", "lock", "priority", "weight", "reaped")
 
-    def __init__(self, work, done, priority: int = 1):
-        self.work, self.done, self.priority = work, done, priority
+    def __init__(self, work, done, priority: int = 1, weight: int = 0):
+        self.work, self.done, self.priority, self.weight = work, done, priority, weight
+        self.reaped = False  # (lane thread) a cancelled job's queue entry was seen
         self.state = "queued"  # queued -> started | cancelled
         self.lock = threading.Lock()
 
@@ -58,18 +59,24 @@ class Lane:
         self.jobs_done = 0
         self.cancelled = 0
         self.busy_s = 0.0
+        # work not finished yet (queued or running), by priority: (jobs, weight) — control thread
+        self.pending: dict[int, list] = {}
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, work, done, priority: int = 1) -> Job:
+    def submit(self, work, done, priority: int = 1, weight: int = 0) -> Job:
         """Run ``work()`` on this lane, then ``done(result, error)`` on the control thread.
 
         Lower ``priority`` runs first (FIFO among equals): the request at the head of the
-        engine's queue must not wait behind chunks of requests queued after it.
+        engine's queue must not wait behind chunks of requests queued after it.  ``weight``
+        (e.g. blocks) is counted in :meth:`ahead` until the job finishes or is cancelled.
         """
         self.queued += 1
-        job = Job(work, done, priority)
+        job = Job(work, done, priority, weight)
+        p = self.pending.setdefault(priority, [0, 0])
+        p[0] += 1
+        p[1] += weight
         self._q.put((priority, next(self._seq), job))
         return job
 
@@ -79,11 +86,15 @@ class Lane:
             if item is _STOP:
                 break
             with item.lock:
-                run = item.state == "queued"
-                if run:
+                state = item.state
+                if state == "queued":
                     item.state = "started"
-            if not run:  # cancelled while queued: its owner already cleaned up
-                self._post(self._forget_cancelled)
+            if state == "started":
+                continue  # the stale entry of a job whose priority was raised: it ran already
+            if state == "cancelled":  # withdrawn while queued: its owner already cleaned up
+                if not item.reaped:
+                    item.reaped = True
+                    self._post(self._forget_cancelled, item)
                 continue
             work, done = item.work, item.done
             self.busy = True
@@ -96,7 +107,7 @@ class Lane:
             self.busy_s += time.monotonic() - t0
             self.busy = False
             self.jobs_done += 1
-            self._post(self._finish, done, result, error)
+            self._post(self._finish, item, result, error)
         # cancel whatever is still queued
         while True:
             try:
@@ -104,15 +115,58 @@ class Lane:
             except queue.Empty:
                 break
             if item is not _STOP and item.cancel():
-                self._post(self._finish, item.done, None, RuntimeError("lane stopped"))
+                self._post(self._finish, item, None, RuntimeError("lane stopped"))
 
-    def _forget_cancelled(self) -> None:  # control thread
+    def _unpend(self, job: Job) -> None:
+        p = self.pending[job.priority]
+        p[0] -= 1
+        p[1] -= job.weight
+        if not p[0]:
+            del self.pending[job.priority]  # priorities are per session: keep only live ones
+
+    def _settle(self, job: Job) -> None:
+        self.queued -= 1
+        self._unpend(job)
+
+    def cancel(self, job: Job) -> bool:
+        """Withdraw ``job`` if it has not started (control thread); True when it will never run.
+        Its weight leaves :meth:`ahead` at once, not when the lane reaches it."""
+        if not job.cancel():
+            return False
+        self._unpend(job)
+        job.weight = -1  # settled
+        return True
+
+    def raise_priority(self, job: Job, priority: int) -> None:
+        """Run a queued ``job`` at ``priority`` if that is sooner (control thread).  The job is
+        queued again; its old entry is skipped when the lane reaches it."""
+        if job.state != "queued" or priority >= job.priority or job.weight < 0:
+            return
+        self._unpend(job)
+        job.priority = priority
+        p = self.pending.setdefault(priority, [0, 0])
+        p[0] += 1
+        p[1] += job.weight
+        self._q.put((priority, next(self._seq), job))
+
+    def _forget_cancelled(self, job: Job) -> None:  # control thread
         self.queued -= 1
         self.cancelled += 1
+        if job.weight >= 0:  # cancelled without Lane.cancel (e.g. directly on the job)
+            self._unpend(job)
 
-    def _finish(self, done, result, error) -> None:  # control thread
-        self.queued -= 1
-        done(result, error)
+    def _finish(self, job: Job, result, error) -> None:  # control thread
+        self._settle(job)
+        job.done(result, error)
+
+    def ahead(self, priority: int) -> tuple[int, int]:
+        """(jobs, weight) not finished that run before a new job of ``priority`` (control thread)."""
+        jobs = weight = 0
+        for p, (j, w) in self.pending.items():
+            if p <= priority:
+                jobs += j
+                weight += w
+        return jobs, weight
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._q.put((1 << 30, next(self._seq), _STOP))  # after everything already queued

@@ -30,11 +30,12 @@ from shm.errors import ErrorCode
 from shm.chain import key as chain_key, length as chain_len, span as chain_span
 from sidecar.kv.ops import KVCore
 from sidecar.kv.index import pack_ids
-from sidecar.l3.tier import L3Tier
+from sidecar.l3.tier import L3Tier, read_priority
 from sidecar.service import DEFERRED, OpError, Service
+from sidecar.prefetch.cost import Outlook
 from sidecar.prefetch.waits import SessionWaits, satisfied
 from sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
-                      Params, Policy, Publish, Query, QueryDone, Session, Start, State, Tick)
+                      Params, Policy, Publish, Query, QueryDone, Replan, Session, Start, State, Tick)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class Record:
     demanded: bool = False  # a scheduling candidate: its reads go ahead of queued requests'
     drain_timer: bool = False  # a drain deadline is armed
     abandoned: int = 0  # chunks whose read was still in flight when the drain budget ran out
+    eta: float | None = None  # cost_aware: when the engine expects to start its prefill (None: now)
+    prefill_s_per_block: float = 0.0  # cost_aware: the engine's prefill cost of one block
 
 
 class SessionManager(Service):
@@ -131,16 +134,22 @@ class SessionManager(Service):
         resident = self.index.match(chain)
         tokens = msg.get("tokens") or total * self.core.layout.tokens_per_block
         deadline = None
+        budget = msg.get("budget_s")
         if policy == Policy.TIMEOUT:
-            budget = msg.get("budget_s")
             if budget is None:
                 budget = min(c.timeout_max_s, c.timeout_base_s + c.timeout_per_ki_token_s * tokens / 1024)
             deadline = now + budget
+        elif policy == Policy.COST_AWARE and budget is not None:
+            deadline = now + budget  # an optional cap on new claims
         chunk = msg.get("chunk_max_blocks") or c.chunk_max_blocks
+        rec = Record(next(self._ids), key, None, chain, msg.get("ns") or "", policy.value, now, {})
+        if policy == Policy.COST_AWARE:
+            rec.eta = now + msg["eta_s"] if msg.get("eta_s") is not None else None
+            rec.prefill_s_per_block = msg.get("prefill_s_per_block") or c.prefill_s_per_block
         params = Params(policy, total, resident, chunk, c.window, deadline,
                         checkpoint_every=msg.get("checkpoint_every") or 0,
-                        checkpoints=frozenset(msg.get("checkpoints") or ()))
-        rec = Record(next(self._ids), key, Session(params), chain, msg.get("ns") or "", policy.value, now, {})
+                        checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now))
+        rec.machine = Session(params)
         if resident:  # the resident prefix must not shrink while the session runs
             ids = self.index.resident_ids(chain, resident)
             self.index.pin(ids)
@@ -158,8 +167,15 @@ class SessionManager(Service):
         if rec is None:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         self._trigger(rec, "demand")
+        if not rec.demanded:  # its queued reads go ahead of every request not yet a candidate
+            for io in rec.chunks.values():
+                if io.reading and io.job is not None:
+                    io.job.raise_priority(read_priority(True, rec.id))
         rec.demanded = True
-        self._run(rec, rec.machine.handle(Demand(self.clock())))
+        now = self.clock()
+        if rec.eta is None or rec.eta > now:
+            rec.eta = now  # a scheduling candidate: its prefill could start now
+        self._run(rec, rec.machine.handle(Demand(now, self._outlook(rec, now))))
         return self._view(rec)
 
     def op_abort(self, conn, msg) -> dict:
@@ -178,13 +194,19 @@ class SessionManager(Service):
             rec = self.records.get(self._key(conn, msg))
             if rec is None:
                 return {"state": "unknown"}
+            eta_s = msg.get("eta_s")
+            if eta_s is not None and rec.policy == Policy.COST_AWARE.value and rec.machine.state != State.TERMINAL:
+                now = self.clock()
+                rec.eta = now + eta_s  # once per step: the group's first poll decides for every rank
+                self._run(rec, rec.machine.handle(Replan(now, self._outlook(rec, now))))
             return self._view(rec)
 
         return self.core.decided(conn, "poll", msg, compute)
 
     def op_wait(self, conn, msg):
         """Deferred: the view once the session's L3 query is done (or ``until`` blocks are
-        published; or, with ``terminal``, only at its end), once it is terminal, or at ``wait_s`` (see ``sidecar.prefetch.waits``)."""
+        published; or, with ``terminal``, only at its end), once it is terminal, or at
+        ``wait_s`` (see ``sidecar.prefetch.waits``)."""
         rec = self.records.get(self._key(conn, msg))
         if rec is None:
             return {"state": "unknown"}
@@ -209,6 +231,21 @@ class SessionManager(Service):
         return out
 
     # -- event plumbing ---------------------------------------------------------------------------
+    def _outlook(self, rec: Record, now: float) -> Outlook | None:
+        """cost_aware's inputs now: the engine's ETA and prefill cost, this L3's read cost and
+        the read-lane backlog ahead of the session's next chunk (None for other policies)."""
+        if rec.policy != Policy.COST_AWARE.value:
+            return None
+        c = self.cfg
+        eta = now if rec.eta is None else rec.eta
+        if self.tier is None:
+            return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=c.load_s_per_block)
+        look = self.tier.read_outlook(read_priority(rec.demanded, rec.id))
+        est = look.estimate
+        probe = c.probe_blocks if est.samples == 0 and look.backlog_s == 0 else 0
+        return Outlook(eta, rec.prefill_s_per_block, est.latency_s, est.s_per_block, look.backlog_s,
+                       c.load_s_per_block, probe)
+
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
             rec.trigger_at = self.clock()
@@ -221,12 +258,16 @@ class SessionManager(Service):
         self._feed(sid, Tick(self.clock()))
 
     def _query_done(self, sid: int, hits: int) -> None:
-        self._feed(sid, QueryDone(hits, self.clock()))
+        rec = self.by_id.get(sid)
+        if rec is not None:
+            now = self.clock()
+            self._run(rec, rec.machine.handle(QueryDone(hits, now, self._outlook(rec, now))))
 
     def _chunk_done(self, sid: int, chunk: int, ok: tuple) -> None:
         rec = self.by_id.get(sid)
         if rec is not None and chunk in rec.chunks:  # (not left behind by the drain budget meanwhile)
-            self._feed(sid, ChunkDone(chunk, ok, self.clock()))
+            now = self.clock()
+            self._run(rec, rec.machine.handle(ChunkDone(chunk, ok, now, self._outlook(rec, now))))
 
     def _feed(self, sid: int, event) -> None:
         """One event into a session's machine (a forgotten session ignores it)."""
@@ -313,8 +354,9 @@ class SessionManager(Service):
             if not queue:
                 m = rec.machine
                 # A stop trigger (deadline, demand, abort, a failed block) withdraws reads not yet
-                # started; a limit seal only stops new claims: what was admitted is read.
-                if withdrawn or not m.sealed or m.state == State.TERMINAL or m.reason == "limit":
+                # started; a limit seal (and a cost stop whose claims still pay) only stops new
+                # claims: what was admitted is read.
+                if withdrawn or not m.sealed or m.state == State.TERMINAL or m.keep_admitted:
                     break
                 withdrawn = True
                 queue.extend(self._withdraw_queued(rec))
@@ -438,7 +480,7 @@ class SessionManager(Service):
             keys = b"".join(chain_key(rec.chain, p) for p in own_positions)
             io.job = self.tier.load(rec.ns, keys, pack_ids(blocks),
                                     lambda result, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, result),
-                                    priority=0 if rec.demanded else 1)
+                                    priority=read_priority(rec.demanded, rec.id))
         else:
             io.read_ok = {}
             self._maybe_chunk_done(rec, a.chunk)

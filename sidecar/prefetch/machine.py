@@ -21,7 +21,12 @@ Guarantees (checked by the property tests):
 * ``Finish`` is emitted exactly once, when sealed (or done) and nothing is in flight;
   later events are ignored;
 * with ``chunk_max_blocks`` ≥ the span (and always for ``wait_complete``) the whole
-  span is one claim.
+  span is one claim;
+* ``cost_aware`` claims a chunk only while :func:`sidecar.prefetch.cost.next_claim` says it
+  lowers the request's expected TTFT, from the latest :class:`Outlook` an event brought
+  (``Demand`` is a re-plan with the ETA at *now*, not a seal); when it stops claiming it seals
+  with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
+  worth reading.  ``budget_s`` (the deadline) is an optional cap, as for ``timeout``.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from sidecar.prefetch import cost
+from sidecar.prefetch.cost import Outlook
+
 
 class Policy(str, enum.Enum):
     WAIT_COMPLETE = "wait_complete"
     TIMEOUT = "timeout"
     BEST_EFFORT = "best_effort"
+    COST_AWARE = "cost_aware"
 
 
 class State(str, enum.Enum):
@@ -50,6 +59,7 @@ class Status(str, enum.Enum):
     DEMANDED = "demanded"
     ABORTED = "aborted"
     FAILED = "failed"
+    COST = "cost"  # cost_aware stopped: restoring more would not lower TTFT
     NO_HIT = "no_hit"
 
 
@@ -95,6 +105,7 @@ class Start:
 class QueryDone:
     hits: int  # consecutive blocks from the Query's start that L3 holds
     now: float
+    outlook: Outlook | None = None  # cost_aware: the cost inputs now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +120,7 @@ class ChunkDone:
     chunk: int
     ok: tuple  # per block of the chunk: its data landed
     now: float
+    outlook: Outlook | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +138,13 @@ class ChunkAbandoned:
 @dataclasses.dataclass(frozen=True)
 class Demand:
     now: float  # the request became a scheduling candidate
+    outlook: Outlook | None = None  # cost_aware: re-plan with this (its eta is now)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replan:
+    now: float  # the engine sent a new ETA (cost_aware re-plans; other policies ignore it)
+    outlook: Outlook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +179,7 @@ class Params:
     deadline: float | None = None  # timeout policy: bounds new claims, not the drain
     checkpoint_every: int = 0  # 0: every block boundary is valid
     checkpoints: frozenset = frozenset()  # explicit block indices whose end is a valid stop
+    outlook: Outlook | None = None  # cost_aware: the cost inputs at start (required for it)
 
 
 class Session:
@@ -169,6 +189,8 @@ class Session:
             p = dataclasses.replace(p, chunk_max_blocks=max(p.total, 1), window=1, deadline=None)
         if p.chunk_max_blocks <= 0 or p.window <= 0:
             raise ValueError("chunk_max_blocks and window must be positive")
+        if p.policy == Policy.COST_AWARE and p.outlook is None:
+            raise ValueError("cost_aware needs an Outlook")
         self.p = p
         self.state = State.CREATED
         self.status: Status | None = None
@@ -181,6 +203,14 @@ class Session:
         self.sealed = False
         self.cut = False  # a block failed: nothing after it can be published
         self.prefix = None
+        # cost_aware bookkeeping
+        self.outlook = p.outlook
+        self.now = 0.0  # the clock of the event being handled
+        self.expected_end = 0.0  # when what is claimed is expected to land
+        self.queued_s = 0.0  # read time claimed since the outlook was taken (not in its backlog)
+        self.claimed_any = False
+        self.probe_chunk = -1  # the first claim was a probe (read for the estimate, not its gain)
+        self.keep_admitted = False  # after the seal: chunks already claimed are still read
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -210,8 +240,14 @@ class Session:
         out = []
         if self.sealed or self.cut or self.state != State.RUNNING:
             return out
-        while self.next_pos < self.target and self.in_flight < self.p.window:
+        cost_aware = self.p.policy == Policy.COST_AWARE
+        while self.next_pos < self.target and (self.in_flight < self.p.window or cost_aware):
             n = min(self.p.chunk_max_blocks, self.target - self.next_pos)
+            if cost_aware:
+                # decided even with a full window: a stop must not wait for a free slot
+                n = self._cost_claim(commit=self.in_flight < self.p.window)
+                if n == 0:
+                    break
             c = Chunk(self._ids, self.next_pos, n)
             self._ids += 1
             self.chunks[c.id] = c
@@ -248,6 +284,39 @@ class Session:
         out += self._maybe_finish()
         return out
 
+    def _cost_claim(self, commit: bool) -> int:
+        """cost_aware: the next chunk's size, or 0 (after sealing with Status.COST when the
+        next chunk would not pay; without sealing when it would but the window is full)."""
+        o, now = self.outlook, self.now
+        if self.chunk_pending(self.probe_chunk):
+            return 0  # a probe is out: decide once its read has measured L3
+        # what is in flight lands at the later of the estimate made when it was claimed and the
+        # lane's current backlog (which counts this session's own reads, last among equals)
+        current_end = max(self.expected_end, now + o.backlog_s) if self.in_flight else now
+        n = cost.next_claim(o, now, self.target - self.next_pos, self.p.chunk_max_blocks, current_end,
+                            self.claimed_any, self.queued_s)
+        if n == 0:
+            keep = cost.keep_admitted(o, current_end)
+            if keep and self.in_flight:
+                return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
+            self._seal(Status.COST, "cost")
+            self.keep_admitted = keep  # False: withdraw what has not started
+            return 0
+        if not commit:
+            return 0
+        if not self.claimed_any and cost.gain(o, now, n, current_end, self.queued_s) <= 0:
+            self.probe_chunk = self._ids  # the id the claim gets
+        self.claimed_any = True
+        land = cost.lands(o, now, n, current_end, self.queued_s)
+        self.queued_s += o.l3_latency_s + n * o.l3_s_per_block
+        self.expected_end = max(current_end, land)
+        return n
+
+    def _new_outlook(self, o) -> None:
+        if o is not None and self.p.policy == Policy.COST_AWARE:
+            self.outlook = o
+            self.queued_s = 0.0  # the new backlog counts what was claimed before it
+
     def _maybe_finish(self) -> list:
         if self.state == State.TERMINAL:
             return []
@@ -278,6 +347,7 @@ class Session:
             on = self._HANDLERS[type(event)]
         except KeyError:
             raise IllegalEvent(f"not a session event: {event!r}") from None
+        self.now = event.now
         if self.state == State.TERMINAL:
             if type(event) in (ChunkWithdrawn, ChunkAbandoned, ClaimGranted):
                 raise IllegalEvent(f"{type(event).__name__} after the session ended")
@@ -304,6 +374,7 @@ class Session:
             raise IllegalEvent(f"QueryDone in state {self.state.value}")
         self.target = min(self.p.total, self.p.resident + max(e.hits, 0))
         self.state = State.RUNNING
+        self._new_outlook(e.outlook)
         if self.target == self.p.resident and not self.sealed:
             self._seal(Status.NO_HIT)
         if self.p.deadline is not None and e.now >= self.p.deadline:
@@ -323,6 +394,7 @@ class Session:
             self.next_pos = c.start + e.granted
         self.target = self.next_pos
         self._seal(Status.FAILED, "limit")  # over a budget: stop claiming, end with what it has
+        self.keep_admitted = self.reason == "limit"  # a limit stop reads what was admitted
         return self._advance()
 
     def _on_chunk_done(self, e: ChunkDone) -> list:
@@ -330,6 +402,7 @@ class Session:
         if len(e.ok) != c.count:
             raise IllegalEvent(f"chunk {e.chunk}: {len(e.ok)} results for {c.count} blocks")
         c.ok = list(e.ok)
+        self._new_outlook(e.outlook)
         if self.p.deadline is not None and e.now >= self.p.deadline:
             self._seal(Status.TIMEOUT, "deadline")
         return self._advance()
@@ -346,9 +419,21 @@ class Session:
         return self._advance()
 
     def _on_demand(self, e: Demand) -> list:
+        if self.p.policy == Policy.COST_AWARE:
+            if e.outlook is None:
+                raise IllegalEvent("Demand for a cost_aware session without an Outlook")
+            return self._on_replan(Replan(e.now, e.outlook))
         if self.p.policy != Policy.BEST_EFFORT:
             return []  # demand is a normal engine event; only best_effort stops on it
         self._seal(Status.DEMANDED, "demand")
+        return self._advance()
+
+    def _on_replan(self, e: Replan) -> list:
+        if self.p.policy != Policy.COST_AWARE:
+            return []
+        self._new_outlook(e.outlook)
+        if self.state != State.RUNNING or self.sealed:
+            return []  # still querying (the answer re-plans) or already stopping
         return self._advance()
 
     def _on_tick(self, e: Tick) -> list:
@@ -371,4 +456,4 @@ class Session:
 
     _HANDLERS = {Start: _on_start, QueryDone: _on_query_done, ClaimGranted: _on_claim_granted,
                  ChunkDone: _on_chunk_done, ChunkWithdrawn: _on_withdrawn, ChunkAbandoned: _on_withdrawn,
-                 Demand: _on_demand, Tick: _on_tick, Abort: _on_abort}
+                 Demand: _on_demand, Replan: _on_replan, Tick: _on_tick, Abort: _on_abort}

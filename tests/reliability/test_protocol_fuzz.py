@@ -186,9 +186,11 @@ FIELD = {
     "staging": ids_for(STAGING_POOLS),
     "ok": st.booleans(),
     "l3": st.booleans(),
-    "policy": st.sampled_from(["wait_complete", "timeout", "best_effort"] * 3
+    "policy": st.sampled_from(["wait_complete", "timeout", "best_effort", "cost_aware"] * 3
                               + ["cost_aware", "", "TIMEOUT", "x" * 256]) | texts,
     "budget_s": st.sampled_from([0, 0.0, 1e-6, 0.003, 0.05, 5.0, 1e9, 10**9]) | st.floats(0, 2.0),
+    "eta_s": st.sampled_from([0, 0.0, 1e-6, 0.05, 5.0, 1e9]) | st.floats(0, 2.0),
+    "prefill_s_per_block": st.sampled_from([0, 0.0, 1e-9, 0.003, 1e9]) | st.floats(0, 0.1),
     "chunk_max_blocks": st.sampled_from([0, 1, 2, 3, 1000, MAX_ID]),
     "tokens": st.sampled_from([0, 1, 64, 10**6, MAX_ID]),
     "checkpoints": st.lists(small_ints | big_ints | st.just(2**64 - 1), max_size=30)
@@ -860,8 +862,13 @@ def test_other_clients_ids_double_ops_and_odd_fields_get_typed_answers(sidecar_f
             assert wait_terminal(evil, req)["state"] == "terminal"
         p = evil.poll("z2", attempt=2**63 - 1)
         assert p["state"] == "terminal" and p["prefix"] == 0, p  # no checkpoint boundary reached
-        assert _code(evil.prefetch, chain_x, "z3", policy="cost_aware") == ErrorCode.BAD_FIELD
+        assert _code(evil.prefetch, chain_x, "z3", policy="cost_awre") == ErrorCode.BAD_FIELD
         assert _code(evil.prefetch, chain_x, "z4", budget_s=float("nan")) == ErrorCode.BAD_FIELD
+        assert _code(evil.prefetch, chain_x, "z5", policy="cost_aware", eta_s=float("inf")) == ErrorCode.BAD_FIELD
+        assert _code(evil.prefetch, chain_x, "z6", policy="cost_aware", prefill_s_per_block=-1.0) == ErrorCode.BAD_FIELD
+        p = evil.prefetch(chain_x, "z7", policy="cost_aware", eta_s=1e9, prefill_s_per_block=0.0)
+        assert p["policy"] == "cost_aware"
+        assert wait_terminal(evil, "z7")["state"] == "terminal"  # an absurd ETA is only an input
 
         # an observer (attached without a layout) gets NOT_ATTACHED for every KV op
         for op, fields in (("lookup", {"chain": chain_v}), ("get", {"chain": chain_v}),

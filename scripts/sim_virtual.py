@@ -1,0 +1,468 @@
+"""The engine simulator in virtual time: kvsidecar's real control plane, a simulated engine and L3.
+
+What is real: ``KVCore`` (pool manager, prefix index, leases, staging, group decisions),
+``SessionManager`` and the pure session machine (every policy, ``cost_aware`` included), and the
+L3 read-cost estimator — the code the sidecar runs, driven through its op handlers exactly as
+the control thread drives them.  What is simulated, on one virtual clock: the engine (an SPMD
+scheduler shared by its TP ranks, one prefill at a time, ``compute_s_per_block``), the L3 tier
+(one metadata lane, one serial read lane: ``latency + blocks x s_per_block``, the bandwidth may
+drop mid-run), and block contents (a block "holds" the key written into it; every GET is checked
+against the chain, so a block handed out before its data landed, or another key's, is *corrupt*).
+
+The scheduler is SPMD like a real engine: one decision per step, replayed to every rank
+(each rank sends the same ``poll`` / ``get`` with the same ``step``; the sidecar's group
+decisions must give identical answers — ``ranks_agree``).  Requests enter the queue (and
+prefetch) the moment they arrive; when the engine is free it scans the queue in order,
+*skipping* a request whose prefetch is still running (SGLang continues to the next request),
+and admits the first ready one.  The scan is one loop iteration; the engine notices a session
+that ended at the next iteration (``step_s`` grid).  A scanned request is a scheduling
+candidate (``demand``, once).
+
+Deterministic: the same arguments give the same result, on any machine, at any load.
+The real-process simulator (``scripts.simulate``) runs the same engine loop against a real
+sidecar process and real bytes; this one makes a wide sweep possible.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import heapq
+import itertools
+import random
+
+from shm.layout import KVLayout
+from sidecar.config import LimitsConfig, SessionsConfig
+from sidecar.kv.index import KEY, unpack_ids
+from sidecar.kv.ops import KVCore
+from sidecar.l3.cost_model import ReadCostModel
+from sidecar.l3.tier import ReadOutlook, ReadResult
+from sidecar.prefetch.executor import SessionManager
+from sidecar.runtime.clients import ClientInfo
+from sidecar.service import OpError
+
+ARMS = {
+    "no_prefetch": None,
+    "whole_task": dict(policy="wait_complete"),
+    "one_graph_timeout": dict(policy="timeout", chunk_max_blocks=1 << 20),
+    "timeout_chunk128": dict(policy="timeout", chunk_max_blocks=128),
+    "timeout_chunk32": dict(policy="timeout", chunk_max_blocks=32),
+    "best_effort": dict(policy="best_effort", chunk_max_blocks=32),
+    "cost_aware": dict(policy="cost_aware", chunk_max_blocks=32),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SimParams:
+    tp: int = 2
+    prefix_tokens: int = 16384
+    suffix_tokens: int = 128
+    tokens_per_block: int = 64
+    n_prefixes: int = 4
+    requests: int = 64
+    seed: int = 1
+    load: float = 0.8  # offered load: mean prefill time of no_prefetch / mean inter-arrival gap
+    compute_s_per_block: float = 0.0032  # prefill of one block (50 ms per 1K tokens at 64 tokens/block)
+    copy_s_per_block: float = 0.00005  # loading a restored block into the engine
+    l3_ratio: float = 0.8  # L3 per-block read time / compute_s_per_block
+    l3_latency_s: float = 0.002  # per read
+    meta_latency_s: float = 0.001  # per existence query
+    bandwidth_drop_at: float | None = None  # fraction of the stream after which L3 slows down
+    bandwidth_drop: float = 4.0
+    budget_s: float = 0.6  # timeout arms (cost_aware: no cap)
+    step_s: float = 0.002  # one scheduler loop iteration while nothing runs
+    pool_blocks: int = 0  # 0: six times the longest request
+    follow_up: float = 0.25  # share of requests that continue an earlier conversation
+
+    @property
+    def l3_s_per_block(self) -> float:
+        return self.l3_ratio * self.compute_s_per_block
+
+
+# -- the request stream (block level) -------------------------------------------------------------
+def _key(*parts) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=KEY).digest()
+
+
+def request_stream(p: SimParams) -> list:
+    """[(arrival_s, req_id, chain)] — shared prefixes, unique suffixes, follow-up turns.
+
+    A chain's keys are chained by construction (a block's key names everything before it),
+    so two requests share exactly their common prefix.  Arrivals are Poisson at the rate that
+    offers ``load`` to an engine that recomputes everything; ``load == 0`` means idle (each
+    request arrives after the previous one could have finished)."""
+    rng = random.Random(p.seed)
+    prefix_blocks = p.prefix_tokens // p.tokens_per_block
+    suffix_blocks = max(1, p.suffix_tokens // p.tokens_per_block)
+    prefixes = [[_key("p", p.seed, i, j) for j in range(prefix_blocks)] for i in range(p.n_prefixes)]
+    out, keys, t = [], [], 0.0
+    for i in range(p.requests):
+        if keys and rng.random() < p.follow_up:
+            base = list(rng.choice(keys))
+        else:
+            base = list(prefixes[rng.randrange(p.n_prefixes)])
+        chain = base + [_key("s", p.seed, i, j) for j in range(suffix_blocks)]
+        keys.append(chain)
+        out.append((t, f"r{i}", b"".join(chain)))
+        mean_service = len(chain) * p.compute_s_per_block
+        gap = mean_service / p.load if p.load > 0 else 4.0 * mean_service
+        t += rng.expovariate(1.0 / gap) if p.load > 0 else gap
+    return out
+
+
+# -- the virtual host ---------------------------------------------------------------------------
+class VirtualLoop:
+    """sidecar.service.Host on a virtual clock: posted events run first, then timers in order."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.clients: dict = {}
+        self.counters = collections.Counter()
+        self._posted = collections.deque()
+        self._timers: list = []
+        self._seq = itertools.count()
+
+    def clock(self) -> float:
+        return self.t
+
+    def post(self, fn, *args):
+        self._posted.append((fn, args))
+
+    def call_at(self, due, fn, *args):
+        heapq.heappush(self._timers, (max(due, self.t), next(self._seq), fn, args))
+
+    def reply(self, conn, rid, result=None, error=None):
+        return True
+
+    def run_posted(self) -> None:
+        while self._posted:
+            fn, args = self._posted.popleft()
+            fn(*args)
+
+    def next_timer(self) -> bool:
+        """Advance to the next timer and run it (and what it posted); False when none is left."""
+        self.run_posted()
+        if not self._timers:
+            return False
+        due, _, fn, args = heapq.heappop(self._timers)
+        self.t = due
+        fn(*args)
+        self.run_posted()
+        return True
+
+
+class _Read:
+    __slots__ = ("keys", "blocks", "done", "priority", "seq", "state", "n", "lane")
+
+    def __init__(self, keys, blocks, done, priority, seq, lane):
+        self.keys, self.blocks, self.done, self.priority, self.seq, self.lane = keys, blocks, done, priority, seq, lane
+        self.state = "queued"
+        self.n = len(keys) // KEY
+
+    def cancel(self) -> bool:
+        if self.state != "queued":
+            return False
+        self.state = "cancelled"
+        return True
+
+    def raise_priority(self, priority: int) -> None:
+        if self.state == "queued" and priority < self.priority:
+            self.priority = priority
+            heapq.heappush(self.lane._queue, (priority, next(self.lane._seq), self))
+
+
+class VirtualL3:
+    """The L3Tier interface the executor uses, on the virtual clock, with a real cost estimator."""
+
+    def __init__(self, loop: VirtualLoop, holds: set, contents: dict, source: dict, p: SimParams,
+                 drop_at_s: float | None):
+        self.loop, self.holds, self.contents, self.source, self.p = loop, holds, contents, source, p
+        self.drop_at_s = drop_at_s
+        self.cost = ReadCostModel(0.005, 0.020)  # a conservative prior (slower than every regime here)
+        self._queue: list = []
+        self._seq = itertools.count()
+        self.busy: _Read | None = None
+        self.busy_until = 0.0
+        self.blocks_read = 0
+        self.reads = 0
+        self.read_s_per_block: float | None = None
+        self.estimates: list = []  # (t, true s/block, estimated s/block) after each read
+
+    def true_s_per_block(self, t: float) -> float:
+        s = self.p.l3_s_per_block
+        return s * self.p.bandwidth_drop if self.drop_at_s is not None and t >= self.drop_at_s else s
+
+    def lookup(self, ns, chain, done):
+        hits = 0
+        while hits < len(chain) // KEY and chain[hits * KEY:(hits + 1) * KEY] in self.holds:
+            hits += 1
+        self.loop.call_at(self.loop.t + self.p.meta_latency_s, done, hits)
+
+    def load(self, ns, keys, blocks, done, priority=1):
+        r = _Read(keys, blocks, done, priority, next(self._seq), self)
+        heapq.heappush(self._queue, (priority, r.seq, r))
+        self._kick()
+        return r
+
+    def _kick(self) -> None:
+        while self.busy is None and self._queue:
+            _, _, r = heapq.heappop(self._queue)
+            if r.state != "queued":
+                continue
+            r.state = "started"
+            seconds = self.p.l3_latency_s + r.n * self.true_s_per_block(self.loop.t)
+            self.busy, self.busy_until = r, self.loop.t + seconds
+            self.loop.call_at(self.busy_until, self._finish, r, seconds)
+
+    def _finish(self, r: _Read, seconds: float) -> None:
+        self.busy = None
+        for i, b in enumerate(unpack_ids(r.blocks)):
+            self.contents[b] = r.keys[i * KEY:(i + 1) * KEY]  # the data lands
+            self.source[b] = "l3"
+        self.blocks_read += r.n
+        self.reads += 1
+        self.cost.observe(r.n, seconds)
+        self.read_s_per_block = seconds / r.n
+        self.estimates.append((self.loop.t, self.true_s_per_block(self.loop.t - seconds),
+                               self.cost.estimate().s_per_block))
+        self.loop.post(r.done, ReadResult([True] * r.n, seconds))
+        self._kick()
+
+    def read_outlook(self, priority=1) -> ReadOutlook:
+        est = self.cost.estimate()
+        backlog = max(0.0, self.busy_until - self.loop.t) if self.busy is not None else 0.0
+        for pr, _, r in self._queue:
+            if pr <= priority and r.state == "queued" and pr == r.priority:
+                backlog += est.seconds(r.n)
+        return ReadOutlook(est, backlog)
+
+
+class _Conn:
+    def __init__(self, group: str, rank: int, size: int, slot: int):
+        self.slot, self.token = slot, slot + 1
+        self.info = ClientInfo(group, rank, size, 1000 + slot)
+
+
+# -- the engine -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Req:
+    arrival: float
+    rid: str
+    chain: bytes
+    blocks: int
+    prefetching: bool = False
+    demanded: bool = False
+    session_t0: float | None = None
+    admitted_at: float | None = None
+
+
+class Engine:
+    def __init__(self, p: SimParams, arm: str, stream: list):
+        self.p, self.arm = p, arm
+        self.kw = ARMS[arm]
+        self.loop = VirtualLoop()
+        lay = KVLayout(model="vsim", num_layers=1, num_kv_heads=p.tp, head_dim=8,
+                       tokens_per_block=p.tokens_per_block, tp_size=p.tp)
+        longest = max(len(c) // KEY for _, _, c in stream)
+        self.pool_blocks = p.pool_blocks or 6 * longest
+        self.core = KVCore(self.loop, lay, self.pool_blocks, LimitsConfig(), clock=self.loop.clock)
+        self.contents: dict = {}  # pool block -> the key whose data it holds
+        self.source: dict = {}  # pool block -> who wrote it last: "l3" | "engine"
+        holds = {c[i:i + KEY] for _, _, c in stream for i in range(0, len(c), KEY)}  # a warm L3
+        drop_at = stream[int(len(stream) * p.bandwidth_drop_at)][0] if p.bandwidth_drop_at is not None else None
+        self.drop_at_s = drop_at
+        self.l3 = VirtualL3(self.loop, holds, self.contents, self.source, p, drop_at)
+        sess = SessionsConfig(chunk_max_blocks=(self.kw or {}).get("chunk_max_blocks", 128), window=2,
+                              retained_ttl_s=30.0, prefill_s_per_block=p.compute_s_per_block,
+                              load_s_per_block=p.copy_s_per_block)
+        self.sm = SessionManager(self.core, self.l3, sess, clock=self.loop.clock)
+        self.core.connect(after_get=self.sm.handoff)
+        self.core.index.watch_staging(self.sm.key_resolved)
+        self.group = f"vsim-{arm}"
+        self.ranks = [_Conn(self.group, r, p.tp, r) for r in range(p.tp)]
+        for c in self.ranks:
+            self.loop.clients[c.slot] = c
+        self.stream = [_Req(a, rid, ch, len(ch) // KEY) for a, rid, ch in stream]
+        self.queue: list[_Req] = []
+        self.busy_until = 0.0
+        self.step = 0
+        self.step_armed = False
+        self.results: list = []
+        self.corrupt = 0
+        self.disagreements = 0
+
+    # -- SPMD calls: every rank sends the same op with the same step --------------------------------
+    def _spmd(self, fn, msg: dict) -> dict:
+        answers = []
+        for c in self.ranks:
+            try:
+                answers.append(fn(c, dict(msg)))
+            except OpError as exc:
+                answers.append({"error": exc.code})
+        first = answers[0]
+        for a in answers[1:]:
+            if a != first:
+                self.disagreements += 1
+        return first
+
+    def _eta_s(self, position: int) -> float:
+        """The adapter's estimate of when the request at ``position`` can start its prefill."""
+        now = self.loop.t
+        ahead = sum(r.blocks for r in self.queue[:position]) * self.p.compute_s_per_block
+        return max(0.0, self.busy_until - now) + ahead
+
+    # -- events ----------------------------------------------------------------------------------------
+    def arrive(self, r: _Req) -> None:
+        self.queue.append(r)
+        if self.kw is not None:
+            msg = {"req": r.rid, "chain": r.chain, "policy": self.kw["policy"],
+                   "prefill_s_per_block": self.p.compute_s_per_block, "eta_s": self._eta_s(len(self.queue) - 1)}
+            if "chunk_max_blocks" in self.kw:
+                msg["chunk_max_blocks"] = self.kw["chunk_max_blocks"]
+            if self.kw["policy"] == "timeout":
+                msg["budget_s"] = self.p.budget_s
+            for c in self.ranks:  # every rank's scheduler sees the request enter its queue
+                self.sm.op_prefetch(c, dict(msg))
+            r.prefetching, r.session_t0 = True, self.loop.t
+        self._arm_step()
+
+    def _arm_step(self) -> None:
+        if self.step_armed or self.loop.t < self.busy_until or not self.queue:
+            return
+        self.step_armed = True
+        grid = self.p.step_s
+        due = (int(self.loop.t / grid) + 1) * grid  # the next loop iteration
+        self.loop.call_at(due, self._step)
+
+    def _step(self) -> None:
+        self.step_armed = False
+        if self.loop.t < self.busy_until:
+            return
+        self.step += 1
+        for pos, r in enumerate(self.queue):
+            if r.prefetching:
+                if not r.demanded:
+                    r.demanded = True
+                    self._spmd(self.sm.op_demand, {"req": r.rid})
+                view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": self._eta_s(pos)})
+                if view.get("state") not in ("terminal", "unknown"):
+                    continue  # skipped: the scheduler goes on to the next request
+            self.queue.pop(pos)
+            self._admit(r)
+            return
+        # nothing ready: the next step comes when a session ends (see run)
+
+    def _ready(self, r: _Req) -> bool:
+        if not r.prefetching:
+            return True
+        rec = self.sm.records.get((self.group, r.rid, 0))
+        return rec is None or rec.machine.state.value == "terminal"
+
+    def _admit(self, r: _Req) -> None:
+        now = self.loop.t
+        r.admitted_at = now
+        get = self._spmd(self.core.op_get, {"chain": r.chain, "req": r.rid, "step": self.step})
+        n = get.get("count", 0)
+        blocks = list(unpack_ids(get["blocks"])) if n else []
+        for j, b in enumerate(blocks):
+            if self.contents.get(b) != r.chain[j * KEY:(j + 1) * KEY]:
+                self.corrupt += 1
+        rec = self.sm.records.get((self.group, r.rid, 0))
+        # restored from L3 by this request's own session; the rest of the GET was in the pool
+        # (resident at queue entry, stored by an earlier prefill, or read by another session)
+        restored_l3 = min(n, rec.restored) if rec is not None else 0
+        prefill = n * self.p.copy_s_per_block + (r.blocks - n) * self.p.compute_s_per_block
+        self.busy_until = now + prefill
+        info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
+                "hit_l3": restored_l3, "recomputed": r.blocks - n, "queue_s": now - r.arrival,
+                "prefill_s": prefill, "ttft_s": now + prefill - r.arrival}
+        if rec is not None:
+            m = rec.machine
+            info.update(status=m.status.value if m.status else None, target=m.target,
+                        session_s=(rec.terminal_at or now) - rec.created,
+                        drain_s=(rec.terminal_at - rec.sealed_at) if rec.sealed_at and rec.terminal_at else 0.0,
+                        read_s=sum(rec.transfer_times) / 1e3, chunk_s=sum(rec.chunk_times) / 1e3)
+        self.results.append(info)
+        self.loop.call_at(self.busy_until, self._done, r, get.get("lease", 0))
+
+    def _done(self, r: _Req, lease: int) -> None:
+        if lease:
+            self._spmd(self.core.op_release, {"lease": lease})
+        st = self._spmd(self.core.op_store, {"chain": r.chain, "req": r.rid, "step": self.step})
+        if st.get("staging"):
+            for j, b in enumerate(unpack_ids(st["blocks"])):  # the engine writes its shard of each block
+                pos = st["start"] + j
+                self.contents[b] = r.chain[pos * KEY:(pos + 1) * KEY]
+                self.source[b] = "engine"
+            for c in self.ranks:
+                self.core.op_commit(c, {"staging": st["staging"]})
+        self._arm_step()
+
+    # -- the run -----------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        for r in self.stream:
+            self.loop.call_at(r.arrival, self.arrive, r)
+        while self.loop.next_timer():
+            # idle with work queued: the next iteration runs once a queued session has ended
+            # (iterations in between would poll and skip the same way: only time passes)
+            if not self.step_armed and self.loop.t >= self.busy_until and any(map(self._ready, self.queue)):
+                self._arm_step()
+        books = self.core.check() or self.sm.check()
+        return {"results": self.results, "corrupt": self.corrupt, "ranks_agree": self.disagreements == 0,
+                "books": books or "ok", "leases_left": len(self.core.leases.leases),
+                "staging_left": self.core.index.staged, "l3_blocks_read": self.l3.blocks_read,
+                "l3_reads": self.l3.reads, "estimator_error": self.l3.cost.error,
+                "estimates": self.l3.estimates, "drop_at_s": self.drop_at_s,
+                "sessions": dict(self.sm.counters)}
+
+
+def run_arm(p: SimParams, arm: str) -> dict:
+    return Engine(p, arm, request_stream(p)).run()
+
+
+# -- bounds on the same stream --------------------------------------------------------------------------
+def bounds(p: SimParams) -> dict:
+    """``bounds_for`` this simulator's own request stream."""
+    return bounds_for(request_stream(p), p)
+
+
+def bounds_for(stream: list, p: SimParams) -> dict:
+    """Per-request TTFTs of the serial bound and the overlap oracle on ``stream``
+    (``[(arrival_s, req, chain)]``), with ``p``'s costs.
+
+    Both replay the stream on one FIFO engine with the same pool (an LRU of ``pool_blocks``
+    blocks filled by every prefill): pool hits cost only their copy; the rest costs, for the
+    best restore length k, ``transfer(k) + compute(rest - k)`` (serial) or
+    ``max(transfer(k), compute(rest - k))`` (oracle: needs compute/load overlap; report only).
+    """
+    longest = max(len(c) // KEY for _, _, c in stream)
+    cap = p.pool_blocks or 6 * longest
+    drop_at = stream[int(len(stream) * p.bandwidth_drop_at)][0] if p.bandwidth_drop_at is not None else None
+    out = {}
+    for kind in ("serial", "oracle"):
+        pool: collections.OrderedDict = collections.OrderedDict()
+        free_at, ttfts = 0.0, []
+        for arrival, _, chain in stream:
+            keys = [chain[i:i + KEY] for i in range(0, len(chain), KEY)]
+            h = 0
+            while h < len(keys) and keys[h] in pool:
+                h += 1
+            rest = len(keys) - h
+            start = max(arrival, free_at)
+            per_block = p.l3_s_per_block * (p.bandwidth_drop if drop_at is not None and start >= drop_at else 1.0)
+            best = float("inf")
+            for k in range(rest + 1):
+                transfer = (p.l3_latency_s + k * per_block) if k else 0.0
+                compute = (rest - k) * p.compute_s_per_block + k * p.copy_s_per_block
+                best = min(best, transfer + compute if kind == "serial" else max(transfer, compute))
+            service = h * p.copy_s_per_block + best
+            free_at = start + service
+            ttfts.append(free_at - arrival)
+            for key in keys:
+                pool[key] = True
+                pool.move_to_end(key)
+            while len(pool) > cap:
+                pool.popitem(last=False)
+        out[kind] = ttfts
+    return out

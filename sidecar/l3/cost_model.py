@@ -1,0 +1,88 @@
+"""An online estimate of what one L3 read costs: ``seconds = latency + blocks x s_per_block``.
+
+Fitted from completed reads by exponentially weighted least squares (each new read weighs
+``1 / forget`` times the one before it, so a bandwidth change is tracked within a few reads),
+regularised towards a configured prior — conservative (a slow L3) so that, before any evidence,
+the ``cost_aware`` policy restores only what it can hide behind the queue.  Reads of one chunk
+size cannot separate latency from bandwidth; the prior then keeps the latency and the data
+sets the per-block cost, which is exact for that size.
+
+Also tracks how good it is: the weighted mean of ``|predicted - measured| / measured``
+over the reads it predicted (``error``).  One instance per tier (per backend); control thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadEstimate:
+    latency_s: float
+    s_per_block: float
+    samples: int  # reads observed (0: the prior alone)
+
+    def seconds(self, blocks: int) -> float:
+        return self.latency_s + blocks * self.s_per_block
+
+
+class ReadCostModel:
+    def __init__(self, prior_latency_s: float, prior_s_per_block: float, *, forget: float = 0.5,
+                 latency_forget: float = 0.95, prior_weight: float = 0.5):
+        if not (prior_latency_s >= 0 and prior_s_per_block > 0 and 0 < forget < 1 and 0 < latency_forget < 1
+                and prior_weight > 0):
+            raise ValueError("ReadCostModel: bad prior or forgetting factor")
+        self.prior = (prior_latency_s, prior_s_per_block)
+        self.forget = forget  # the per-block cost: tracks a bandwidth change within a few reads
+        self.latency_forget = latency_forget  # the fixed cost: a long memory, to separate it at all
+        self.prior_weight = prior_weight
+        self._w = self._k = self._kk = self._s = self._ks = 0.0
+        self._min_s = float("inf")
+        self.samples = 0
+        self._latency, self._per_block = prior_latency_s, prior_s_per_block
+        self._err_num = self._err_den = 0.0
+
+    @property
+    def error(self) -> float:
+        """Weighted mean relative error of the predictions made before each read (0: none yet)."""
+        return self._err_num / self._err_den if self._err_den else 0.0
+
+    def estimate(self) -> ReadEstimate:
+        return ReadEstimate(self._latency, self._per_block, self.samples)
+
+    def observe(self, blocks: int, seconds: float) -> None:
+        """One read of ``blocks`` blocks that took ``seconds`` (all blocks landed)."""
+        if blocks <= 0 or not seconds >= 0 or seconds == float("inf"):
+            return
+        if seconds > 0:
+            rel = abs(self._latency + blocks * self._per_block - seconds) / seconds
+            self._err_num = self.forget * self._err_num + rel
+            self._err_den = self.forget * self._err_den + 1.0
+        f = self.latency_forget
+        self._w = f * self._w + 1.0
+        self._k = f * self._k + blocks
+        self._kk = f * self._kk + blocks * blocks
+        self._s = f * self._s + seconds
+        self._ks = f * self._ks + blocks * seconds
+        self._min_s = min(self._min_s, seconds)
+        self.samples += 1
+        self._latency = self._fit_latency()
+        sample = max(0.0, seconds - self._latency) / blocks
+        a = self.forget
+        self._per_block = max(1e-9, sample if self.samples == 1 else a * self._per_block + (1 - a) * sample)
+
+    def _fit_latency(self) -> float:
+        """Least squares over the long memory, regularised towards the prior latency (which
+        decides alone while every read had the same size); never above the fastest read."""
+        l0, b0 = self.prior
+        lam = self.prior_weight
+        kbar = self._k / self._w
+        var = self._kk / self._w - kbar * kbar
+        if var <= 1e-9 * max(1.0, kbar * kbar):  # one size so far: the data cannot split it
+            return min(l0, self._min_s)
+        # centred regression: slope from the covariance, intercept at the mean; then shrink
+        cov = self._ks / self._w - kbar * (self._s / self._w)
+        slope = cov / var
+        lat = self._s / self._w - slope * kbar
+        lat = (self._w * lat + lam * l0) / (self._w + lam)
+        return min(max(lat, 0.0), self._min_s)

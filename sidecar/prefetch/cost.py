@@ -1,0 +1,124 @@
+"""The ``cost_aware`` policy's arithmetic: is restoring the next chunk worth its time?
+
+Pure functions over an :class:`Outlook` (what the executor knows when the machine decides):
+no clock, no I/O.  The request's prefill can start at ``eta`` (the engine's estimate; *now*
+when it is a scheduling candidate).  Restoring ``k`` more blocks lands them at
+
+    land(k) = max(now + backlog, current_end) + latency + k x s_per_block
+
+(``backlog``: the read-lane work queued ahead; ``current_end``: when this session's own claims
+land — one lane reads in order), and the prefill then starts at
+``max(eta, land)`` instead of ``max(eta, land_current)`` (when what is already claimed lands).
+It saves ``k x (prefill_s_per_block - load_s_per_block)`` of prefill.  A chunk is claimed only
+while the saving exceeds the delay, which is exactly the marginal form of the serial optimum
+``min_k max(eta, land(k)) + prefill(n - k)`` for a linear transfer cost:
+
+* restore cheaper per block than prefill: keep claiming (every chunk pays for itself);
+* restore dearer: claim only what lands before ``eta`` (hidden behind the queue), then stop.
+
+Chunk size bounds the regret of a stop: a wrong decision costs at most one chunk's transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Outlook:
+    """The cost inputs at one instant (seconds; ``eta`` and times on the machine's clock)."""
+
+    eta: float  # when the request's prefill can start (now for a scheduling candidate)
+    prefill_s_per_block: float  # the engine's prefill cost of one block (0: unknown)
+    l3_latency_s: float  # per read: fixed cost of one L3 call
+    l3_s_per_block: float  # per block: bytes / bandwidth
+    backlog_s: float = 0.0  # read-lane work ahead of this session's next chunk
+    load_s_per_block: float = 0.0  # copying a restored block into the engine
+    probe_blocks: int = 0  # the L3 estimate has no evidence yet: one small chunk may be read to learn it
+
+    def __post_init__(self):
+        for f in ("prefill_s_per_block", "l3_latency_s", "l3_s_per_block", "backlog_s", "load_s_per_block"):
+            v = getattr(self, f)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"Outlook.{f} must be a finite non-negative number, not {v!r}")
+        if not math.isfinite(self.eta):
+            raise ValueError("Outlook.eta must be finite")
+
+    @property
+    def saving_per_block(self) -> float:
+        return self.prefill_s_per_block - self.load_s_per_block
+
+    @property
+    def restore_pays_per_block(self) -> bool:
+        """Restoring is cheaper per block than recomputing (latency aside)."""
+        return self.l3_s_per_block < self.saving_per_block
+
+
+LATENCY_SHARE = 0.02  # a chunk is made large enough that its read's fixed cost is at most this share
+MAX_GROWTH = 8  # ... but never more than this many times chunk_max_blocks
+
+
+def chunk_size(o: Outlook, chunk_max: int) -> int:
+    """The chunk to claim.  ``chunk_max`` bounds the regret of a stop; while restoring pays per
+    block a stop is unlikely (only a wrong estimate causes one), so the chunk grows until the
+    per-read latency is a small share of it: one lane reads chunks in order and pays the
+    latency of each."""
+    if not o.restore_pays_per_block or o.l3_s_per_block <= 0:
+        return chunk_max
+    k = math.ceil(o.l3_latency_s / (LATENCY_SHARE * o.l3_s_per_block))
+    return max(chunk_max, min(k, MAX_GROWTH * chunk_max))
+
+
+def lands(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0,
+          reads: int = 1) -> float:
+    """When ``blocks`` claimed now (in ``reads`` reads) land: behind the lane's backlog (and
+    what this session claimed since ``o`` was taken, ``queued_s``), never before its own claims
+    land (one lane reads in order)."""
+    base = max(now + o.backlog_s + queued_s, current_end)
+    return base + reads * o.l3_latency_s + blocks * o.l3_s_per_block
+
+
+def gain(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0,
+         reads: int = 1) -> float:
+    """Seconds of TTFT saved by restoring ``blocks`` more (negative: it would cost)."""
+    start_now = max(o.eta, current_end)
+    start_then = max(start_now, lands(o, now, blocks, current_end, queued_s, reads))
+    return blocks * o.saving_per_block - (start_then - start_now)
+
+
+def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: float,
+               claimed_before: bool, queued_s: float = 0.0) -> int:
+    """How many blocks to claim next (0: stop claiming).
+
+    Plans compared: restore everything that remains (in chunks: the wait for the lane is paid
+    once for all of it), one more chunk, and the most that still lands by ``eta``; the plan
+    with the best positive gain decides, and its first chunk is claimed.  ``current_end``: when
+    what this session already claimed is expected to land (``now`` when nothing is in flight).
+    Without evidence about L3 (``probe_blocks``) a session that has claimed nothing yet reads
+    one small probe chunk.
+    """
+    cap = min(remaining, chunk_size(o, chunk_max))
+    if cap <= 0:
+        return 0
+    plans = {cap, remaining}
+    if o.l3_s_per_block > 0:
+        base = max(now + o.backlog_s + queued_s, current_end) + o.l3_latency_s
+        fit = math.floor((o.eta - base) / o.l3_s_per_block)
+        if 0 < fit < remaining:
+            plans.add(fit)
+    best, best_gain = 0, 0.0
+    for k in sorted(plans, reverse=True):
+        g = gain(o, now, k, current_end, queued_s, reads=-(-k // cap))
+        if g > best_gain:
+            best, best_gain = k, g
+    if best == 0 and o.probe_blocks and not claimed_before:
+        return min(cap, o.probe_blocks)
+    return min(best, cap)
+
+
+def keep_admitted(o: Outlook, current_end: float) -> bool:
+    """After a cost stop: are the chunks already claimed (and possibly still queued) worth
+    reading?  Yes while restoring pays per block, or while they land before the prefill
+    could start anyway."""
+    return o.restore_pays_per_block or current_end <= o.eta
