@@ -6,6 +6,7 @@ every figure is the median of the trials with its spread ``[min..max]``.
     python -m scripts.bench ring    [--quick] [--trials N] [--json PATH]
     python -m scripts.bench load|l3|stop [--quick] [--trials N]
     python -m scripts.bench startup [--quick]   # pool ready time, first vs second pass, exits
+    python -m scripts.bench metrics [--quick]   # Prometheus on vs off: ring RTT, get+release of 512
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ SUITES = {
     "l3": "bench_l3",
     "stop": "bench_stop",
     "startup": "bench_startup",
+    "metrics": "bench_metrics",
 }
-REPEATS_ITSELF = {"startup"}  # its own interleaved trials (medians with [min-max])
+REPEATS_ITSELF = {"startup", "metrics"}  # their own interleaved trials (medians with [min-max])
 
 
 def print_table(title: str, rows: list[tuple[str, object, str]]) -> None:
@@ -51,7 +53,9 @@ def main(argv=None) -> int:
     module = importlib.import_module(f".{SUITES[args.suite]}", __package__) if __package__ \
         else importlib.import_module(SUITES[args.suite])
     if args.suite in REPEATS_ITSELF:
-        n, result = 1, module.run(quick=args.quick)
+        result = module.run(quick=args.quick)
+        t = result.get("trials", 1)
+        n = len(t) if isinstance(t, list) else t
     else:
         n = args.trials or (3 if args.quick else 5)
         result = trials_mod.aggregate(trials_mod.repeat(module.run, n, quick=args.quick))

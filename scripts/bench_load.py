@@ -3,6 +3,7 @@ sidecar's CPU per get + release of 512 blocks, and index memory per resident blo
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -76,7 +77,7 @@ def _bench_get_release(quick: bool) -> dict:
 
     class _Host:  # sidecar.service.Host: what a service may use of the loop (no loop here)
         clients: dict = {}
-        counters: dict = {}
+        counters = collections.Counter()
 
         def post(self, fn, *a):
             fn(*a)

@@ -3,10 +3,12 @@
 
 Runs the engine simulator's short workload (16K-token shared prefixes restored from a warm L3
 into a cold CPU pool) under each prefetch policy arm, prints a table per arm, and the
-inspector's read-only view of the sidecar at the end.  L3 is a real local Mooncake cluster
-when Mooncake is installed, else the embedded file store.
+inspector's read-only view of the sidecar taken while the engine's ranks were attached and
+sessions ran (the busiest moment of the last arm).  L3 is a real local Mooncake cluster when
+Mooncake is installed, else the embedded file store.  Mooncake's own log goes to
+``<run_dir>/<instance>-mooncake.log``; ``--native-log console`` shows it here instead.
 
-    python -m scripts.demo [--l3 file|mooncake|auto]   (from the repo root)
+    python -m scripts.demo [--l3 file|mooncake|auto] [--native-log file|console]   (from the repo root)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import os
 import time
 
+from shm.errors import SegmentError
 from sidecar import inspector
 
 if __package__:  # python -m scripts.demo, from the repo root
@@ -27,6 +30,8 @@ else:  # python scripts/demo.py: this folder is first on sys.path
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--l3", choices=["file", "mooncake", "auto"], default="auto")
+    p.add_argument("--native-log", choices=["file", "console"], default="file",
+                   help="where Mooncake's own glog lines go (default: a log file beside the sidecar's run dir)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -37,13 +42,27 @@ def main(argv=None) -> int:
     print(f"kvsidecar demo: TP=2 engine simulator, L3 = {l3}"
           f"{' (local mooncake_master on 127.0.0.1, a holder node plus the serving node)' if l3 == 'mooncake' else ' (embedded file store)'}")
     print("warming L3 with the workload's prompts, then one cold-pool run per policy arm ...")
-    views = []
+    views: dict = {}
 
-    def inspect(instance: str) -> None:
-        time.sleep(0.15)  # let the sidecar publish its stats blob
-        views.append(inspector.render(inspector.snapshot(instance)))
+    def watch(arm: str, instance: str, ranks_done) -> None:
+        """Read-only views while the arm runs (no request, no slot); keep the busiest one."""
+        best, score = None, -1
+        while not ranks_done.wait(0.05):
+            try:
+                v = inspector.snapshot(instance)
+            except SegmentError:
+                continue
+            states = [r["state"] for r in v["sessions"]["rows"]]
+            reading = sum(st in ("running", "draining") for st in states)
+            live = sum(st != "terminal" for st in states)
+            s = 1000 * bool(v["clients"]) + 100 * reading + 10 * live + v["leases"]["total"]
+            if s > score:
+                best, score = v, s
+        if best is not None:
+            views[arm] = inspector.render(best)
 
-    res = simulate.simulate(True, budget_s=0.25, l3=l3, before_stop=inspect)
+    res = simulate.simulate(True, budget_s=0.25, l3=l3, while_running=watch,
+                            sidecar_overrides={"l3.native_log": args.native_log})
     simulate.print_table(res)
     print("\nper-arm detail:")
     for arm, a in res["arms"].items():
@@ -52,8 +71,9 @@ def main(argv=None) -> int:
               f"{ {k[9:]: v for k, v in s.items() if k.startswith('terminal_')} }, "
               f"books {'balanced' if a['invariants'] == '' else a['invariants']}")
     if views:
-        print("\ninspector view of the last arm's sidecar (read-only):")
-        print(views[-1])
+        arm = list(res["arms"])[-1]
+        print(f"\ninspector view of the {arm} arm's sidecar while the engine ran (read-only, kvsidecar-inspect):")
+        print(views.get(arm) or next(reversed(views.values())))
     print(f"\ndone in {time.time() - t0:.0f} s")
     return 0
 

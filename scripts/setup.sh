@@ -10,6 +10,14 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
     echo "warning: libibverbs1 is missing (Mooncake needs it); install it as root" >&2
   fi
 fi
+# tmux: the inspector's --watch test drives a real terminal (the test skips without it)
+if ! command -v tmux >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
+  else
+    echo "warning: tmux is missing (tests/test_inspector.py's --watch test is skipped); install it as root" >&2
+  fi
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -20,6 +28,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -m pip install -q --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c "import native.atomics, native.hashing, native.copy, mooncake.store, torch, msgpack, posix_ipc"
+  .venv/bin/python -c "import native.atomics, native.hashing, native.copy, mooncake.store, torch, msgpack, posix_ipc, prometheus_client"
   echo "$want" > "$stamp"
 fi

@@ -24,6 +24,7 @@ Bounds on the same stream: the serial bound and the overlap oracle (scripts.sim_
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import multiprocessing as mp
@@ -170,11 +171,17 @@ class _Rank:
         for j in range(restored, len(pages)):
             fill_page(self.kv, self.base, pages[j], chain[j * 16:(j + 1) * 16])
         ttft = time.time() - t0 - arr
+        # (observability totals) the terminal session's status, asked by rank 0 outside the group
+        # decisions (no step), so the ranks' own decisions are untouched
+        status = "none"
+        if self.rank == 0 and rid in self.ad.prefetching:
+            status = self.ad.conn.poll(rid).get("status", "none")
         self.ad.commit_restore(rid)
         self.ad.store_after_prefill(rid, toks, pages, step)
         self.free_pages.extend(reversed(pages))
         return {"req": rid, "ttft_ms": ttft * 1e3, "queue_ms": (t_admit - arr) * 1e3, "restored_tokens": slot.tokens,
-                "recomputed_tokens": compute_tokens, "tokens": len(toks), "prefill_ms": (time.time() - t_c) * 1e3}
+                "recomputed_tokens": compute_tokens, "tokens": len(toks), "prefill_ms": (time.time() - t_c) * 1e3,
+                "status": status}
 
 
 def rank_main(args: dict, rank: int, conn) -> None:
@@ -251,17 +258,29 @@ def run_ranks(args: dict) -> dict:
 
 
 def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | None = None,
-            before_stop=None) -> dict:
+            before_stop=None, while_running=None) -> dict:
+    """``while_running(arm, instance, ranks_done)``: run in a thread from the sidecar's start until
+    it returns (joined, bounded, before the sidecar stops); ``ranks_done`` is set once the ranks
+    finished and the final stats were taken."""
+    import threading
+
     from sidecar.spawn import SidecarProcess
 
     args = dict(base_args, arm=arm, arm_kw=ARMS[arm] if arm_kw is None else arm_kw)
     args["instance"] = f"kvssim{os.getpid()}"
     with SidecarProcess(args["instance"], overrides=sidecar_overrides):
+        ranks_done, watcher = threading.Event(), None
+        if while_running is not None:
+            watcher = threading.Thread(target=while_running, args=(arm, args["instance"], ranks_done), daemon=True)
+            watcher.start()
         run = run_ranks(args)
         from connector.client import SidecarClient
 
         with SidecarClient(args["instance"]) as c:
             stats = c.call("stats", check=True)
+        ranks_done.set()
+        if watcher is not None:
+            watcher.join(60)
         if before_stop is not None:
             before_stop(args["instance"])
     res = run["results"]
@@ -277,7 +296,10 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
             "requests": len(res), "steps": run["steps"], "invariants": stats.get("invariants", "?"),
             "leases_live": st["leases"].get("live", st["leases"].get("count", 0)) if isinstance(st.get("leases"), dict) else None,
             "sessions": st.get("sessions", {}), "l3": {k: v for k, v in st.get("l3", {}).items() if k in ("cost", "read_blocks_ok")},
-            "degraded_misses": sum(o["degraded"] for o in ranks), "results": res}
+            "degraded_misses": sum(o["degraded"] for o in ranks), "results": res,
+            # observability totals, as the engine saw them (rank 0): policy, final status per request
+            "policy": (args["arm_kw"] or {}).get("policy", "none"),
+            "statuses": dict(collections.Counter(r["status"] for r in res))}
 
 
 def bounds(base_args: dict, l3_bytes_per_s: float, latency_s: float, block_bytes: int) -> dict:
@@ -347,7 +369,10 @@ class _MooncakeL3:
 
 
 def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None = None, arms=None,
-             l3: str = "file", before_stop=None, prefix_tokens: int = 16384, requests: int | None = None) -> dict:
+             l3: str = "file", before_stop=None, prefix_tokens: int = 16384, requests: int | None = None,
+             sidecar_overrides: dict | None = None, while_running=None) -> dict:
+    """``sidecar_overrides``: extra config for the arms' sidecars (not the warm-up's), e.g. metrics;
+    ``while_running``: see :func:`run_arm` (every arm)."""
     lay = make_layout(2)
     base_args = dict(tp=2, seed=11, requests=requests or (6 if quick else 16), n_prefixes=2,
                      prefix_tokens=prefix_tokens, suffix_tokens=128,
@@ -369,8 +394,9 @@ def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None =
         out = {"quick": quick, "l3": l3, "l3_mbps": mbps, "budget_s": budget_s, "compute_ms_per_ktok": 50.0,
                "prefix_tokens": 16384, "tp": 2, "arms": {}}
         arm_list = arms or list(ARMS)
+        shaped.update(sidecar_overrides or {})
         for arm in arm_list:
-            out["arms"][arm] = run_arm(arm, base_args, shaped,
+            out["arms"][arm] = run_arm(arm, base_args, shaped, while_running=while_running,
                                        before_stop=before_stop if arm == arm_list[-1] else None)
         out["prefix_tokens"] = prefix_tokens
         b = bounds(base_args, mbps * 1e6 / 8, 0.002, lay.block_bytes)

@@ -18,7 +18,9 @@
         192 64s pool segment name ("" until a pool exists)
         256 u64 stats seqlock    odd while the sidecar rewrites the stats blob
         264 u32 stats length
-        272 ..  stats blob       msgpack map, read by the inspector without a round trip
+        272 ..  stats blob       msgpack map, read by the inspector without a round trip: the
+                                 sidecar's stats plus its bounded status tables (sessions,
+                                 leases, pool, clients); see write_stats for the ordering
     [slot table: num_slots × SLOT_BYTES]
         0   u64 state word       0 = free, else (pid << 8) | SLOT_*
         8   u64 client start     client process start time (clock ticks)
@@ -210,6 +212,13 @@ class ControlSegment:
         return RingConsumer(self.segment, self._ring_off(i, 1), self.ring_capacity)
 
     # -- stats blob (seqlock: writer is the sidecar's control thread only) ----------------------
+    # Memory ordering (one writer, any number of read-only readers in other processes):
+    #   writer: seq := s+1 (store-release; odd = writing), full fence, write length + blob,
+    #           seq := s+2 (store-release: the blob's bytes are visible before the even value).
+    #   reader: s1 := seq (load-acquire; retry while odd), copy length + blob, full fence,
+    #           s2 := seq (load-acquire); the copy is consistent iff s1 == s2, else retry.
+    # A reader never writes the segment (it may map it read-only) and never blocks the writer;
+    # after ``tries`` torn reads it gives up with {} (bounded, no waiting on the writer).
     def write_stats(self, stats: dict) -> None:
         blob = msgpack.packb(stats, use_bin_type=True)
         if len(blob) > STATS_CAPACITY:

@@ -33,6 +33,10 @@ from sidecar.l3.tier import L3Tier
 from sidecar.l3.cost_model import ReadCostModel
 from sidecar.l3.ops import L3Ops
 from sidecar.prefetch.executor import SessionManager
+from sidecar.observe.metrics import MetricsError, MetricsService
+from sidecar.observe.outcome import Observers
+from sidecar.observe.sessionlog import SessionLog
+from sidecar.observe.status import StatusTables
 from sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment
 from sidecar.runtime.loop import Sidecar
 
@@ -75,6 +79,7 @@ class SidecarHost:
         self.sidecar = None
         self.master = None
         self.tier = None
+        self.metrics = None
         self._closed = False
         self.exit_code = 0
         prev = _previous_generation(cfg.control_name)
@@ -110,15 +115,24 @@ class SidecarHost:
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
                                    cost_model=prior)
                 l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
-            self.sessions = SessionManager(self.core, self.tier, cfg.sessions)
+            if cfg.metrics.enabled:  # off by default (sidecar.observe.metrics)
+                self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,
+                                              l3ops=l3ops, generation=self.generation)
+            self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
+                                           observer=Observers(SessionLog(), self.metrics))
+            if self.metrics is not None:
+                self.metrics.connect(sessions=self.sessions)
             self.core.connect(after_publish=l3ops.write_behind if l3ops is not None else None,
                               after_get=self.sessions.handoff)
             self.core.index.watch_staging(self.sessions.key_resolved)
-            for service in (self.core, l3ops, self.sessions):
+            tables = StatusTables(self.sidecar, self.core, self.sessions)
+            for service in (self.core, l3ops, self.sessions, tables, self.metrics):
                 if service is not None:
                     self.sidecar.mount(service)
             if self.tier is not None:
                 self.tier.start()
+            if self.metrics is not None:
+                self.metrics.start()
         except BaseException:
             self.close()
             raise
@@ -156,6 +170,8 @@ class SidecarHost:
         if self._closed:
             return
         self._closed = True
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.sidecar is not None:
             if self.tier is not None:
                 self.tier.stop()  # in-flight L3 calls finish; their completions run below
@@ -216,7 +232,7 @@ def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
 
         master = c.mooncake_master
         if c.spawn_local_master:
-            host.master = MooncakeMaster()
+            host.master = MooncakeMaster(log_path=native_log_path(cfg) if c.native_log == "file" else None)
             master = host.master.address
         if not master:
             raise L3Error("l3.backend = mooncake needs l3.mooncake_master or l3.spawn_local_master")
@@ -228,6 +244,30 @@ def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
         backend = ShapedBackend(backend, latency_s=c.latency_ms / 1e3, bandwidth_bps=c.bandwidth_mbps * 1e6 / 8,
                                 fail=c.fail, fail_prob=c.fail_prob, fail_keys=tuple(c.fail_keys), hang=c.hang)
     return backend
+
+
+def native_log_path(cfg: SidecarConfig) -> str:
+    """Where Mooncake's own (glog) output goes when ``l3.native_log = "file"``."""
+    return os.path.join(cfg.run_dir, f"{cfg.instance}-mooncake.log")
+
+
+def divert_native_output(path: str) -> None:
+    """Send fds 1 and 2 (what native libraries such as Mooncake's glog write to) to ``path``,
+    and keep this process's Python logging on the console's original stderr."""
+    import sys
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    console = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    stream = os.fdopen(console, "w", buffering=1)
+    sys.stderr = stream
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setStream(stream)
+    log.info("Mooncake's own log goes to %s (l3.native_log = \"console\" shows it here)", path)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -263,6 +303,8 @@ def main(argv=None) -> int:
     if args.instance:
         overrides["instance"] = args.instance
     cfg = load_config(args.config, overrides)
+    if cfg.l3.backend == "mooncake" and cfg.l3.native_log == "file":
+        divert_native_output(native_log_path(cfg))
     # Installed before the segments exist: a signal during start-up (a large pool takes a
     # while to allocate) interrupts it between chunks, and what was created is unlinked.
     stop = threading.Event()
@@ -281,7 +323,7 @@ def main(argv=None) -> int:
     except StartupInterrupted:
         log.info("sidecar %s: start-up interrupted by a signal; segments unlinked", cfg.instance)
         return 0
-    except (L3Error, SegmentError) as exc:
+    except (L3Error, SegmentError, MetricsError) as exc:
         log.error("cannot start: %s", exc)
         return 2
     started.append(host)

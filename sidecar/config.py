@@ -81,6 +81,22 @@ class L3Config:
     fail_prob: float = 0.0
     fail_keys: list = dataclasses.field(default_factory=list)
     hang: bool = False
+    # Where the Mooncake client's (and a spawned master's) own glog output goes: "file"
+    # (<run_dir>/<instance>-mooncake.log; the launcher's console keeps only kvsidecar's log) or
+    # "console" (inherited stderr, as Mooncake prints it)
+    native_log: str = "file"
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    """Prometheus exposition (``sidecar.observe.metrics``); off by default."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9464  # 0: any free port (the chosen one is in stats()["metrics"]["port"] and the log)
+    # a scrape asks the control thread for a snapshot and waits at most this long; past it the
+    # last good snapshot is served and kvsidecar_scrape_stale is 1
+    scrape_timeout_s: float = 0.5
 
 
 @dataclasses.dataclass
@@ -120,6 +136,7 @@ class SidecarConfig:
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     l3: L3Config = dataclasses.field(default_factory=L3Config)
     sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
 
     def validate(self) -> None:
         t = self.transport
@@ -155,6 +172,11 @@ class SidecarConfig:
             raise ConfigError("sessions.prefill_s_per_block, load_s_per_block and probe_blocks must be >= 0")
         if self.l3.backend not in ("file", "mooncake", "none"):
             raise ConfigError("l3.backend must be file, mooncake or none")
+        if self.l3.native_log not in ("file", "console"):
+            raise ConfigError("l3.native_log must be file or console")
+        m = self.metrics
+        if not 0 <= m.port <= 65535 or m.scrape_timeout_s <= 0:
+            raise ConfigError("metrics.port must be in 0..65535 and metrics.scrape_timeout_s positive")
         if self.l3.fail not in ("", "first", "tail", "random", "keys"):
             raise ConfigError("l3.fail must be one of '', first, tail, random, keys")
 

@@ -8,6 +8,8 @@ A service (KV ops, L3 ops, prefetch sessions, later metrics) is an object with:
 * ``validate_attach(conn, msg)`` → raise :class:`OpError` to refuse a KV attach;
 * ``client_gone(conn)`` → release what that client incarnation held (runs exactly once);
 * ``stats()`` → a dict merged into the sidecar's snapshot;
+* ``status()`` → bounded tables for the read-only inspector, merged into the snapshot the loop
+  publishes into the control segment (not into the ``stats`` op's answer);
 * ``check()`` → ``""`` when its accounting invariants hold, else what broke.
 
 Services never import the loop (``sidecar.runtime.loop``): they get what they need of it — ``post``,
@@ -59,6 +61,9 @@ class Service:
         return None
 
     def stats(self) -> dict:
+        return {}
+
+    def status(self) -> dict:
         return {}
 
     def check(self) -> str:

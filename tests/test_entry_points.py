@@ -67,13 +67,13 @@ def test_inspector_reads_without_sending_a_request(sidecar, instance):
         for _ in range(3):
             c.call("ping", payload=b"x")
         before = _published(instance, 3)
-        assert before["sidecar_alive"] and before["sidecar_pid"] == sidecar.pid
-        assert len(before["slots"]) == 1  # the client's; the inspector holds none
+        assert before["sidecar"]["alive"] and before["sidecar"]["pid"] == sidecar.pid
+        assert len(before["clients"]) == 1  # the client's; the inspector holds none
         # the module (as ``python -m sidecar.inspector`` and the console script run it) and the wrapper
         r = subprocess.run([sys.executable, "-m", "sidecar.inspector", "--instance", instance, "--json"],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["sidecar_pid"] == sidecar.pid
+        assert json.loads(r.stdout)["sidecar"]["pid"] == sidecar.pid
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_shm.py"), "--instance", instance],
                            capture_output=True, text=True, timeout=60, env=child_env(cwd=str(ROOT / "scripts")))
         assert r.returncode == 0 and f"sidecar {instance}" in r.stdout, r.stderr
@@ -84,7 +84,7 @@ def test_inspector_reads_without_sending_a_request(sidecar, instance):
         assert after["stats"]["counters"]["requests"] == before["stats"]["counters"]["requests"] + 1
         mine = [cl for cl in after["stats"]["clients"] if cl["group"] == "g"]
         assert len(mine) == 1 and mine[0]["requests"] == 1 + 4  # its attach and its four pings
-        assert len(after["slots"]) == 1
+        assert len(after["clients"]) == 1
     finally:
         c.detach()
 

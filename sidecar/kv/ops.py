@@ -11,7 +11,7 @@ import collections
 import logging
 import time
 
-from shm.chain import count as id_count
+from shm.chain import count as id_count, length as chain_len
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
@@ -142,7 +142,15 @@ class KVCore(Service):
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:
-        return self.decided(conn, "lookup", msg, lambda grouped: {"hit": self.index.match(msg["chain"])})
+        def compute(grouped: bool) -> dict:
+            chain = msg["chain"]
+            hit = self.index.match(chain)
+            counters = self.sidecar.counters  # (once per group decision, like every ranked answer)
+            counters["lookup_requested_blocks"] += chain_len(chain)
+            counters["lookup_hit_blocks"] += hit
+            return {"hit": hit}
+
+        return self.decided(conn, "lookup", msg, compute)
 
     def op_get(self, conn, msg) -> dict:
         def compute(grouped: bool) -> dict:
@@ -167,6 +175,7 @@ class KVCore(Service):
             return {"lease": lease.id, "blocks": blocks, "count": n}
 
         result = self.decided(conn, "get", msg, compute)
+        self.sidecar.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
         if self._after_get is not None:
             self._after_get(conn, msg)
         return result

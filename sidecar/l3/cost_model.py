@@ -8,7 +8,7 @@ size cannot separate latency from bandwidth; the prior then keeps the latency an
 sets the per-block cost, which is exact for that size.
 
 Also tracks how good it is: the weighted mean of ``|predicted - measured| / measured``
-over the reads it predicted (``error``).  One instance per tier (per backend); control thread only.
+over the reads it predicted once it had evidence (``error``; the prior's guess is not counted).  One instance per tier (per backend); control thread only.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ReadCostModel:
         """One read of ``blocks`` blocks that took ``seconds`` (all blocks landed)."""
         if blocks <= 0 or not seconds >= 0 or seconds == float("inf"):
             return
-        if seconds > 0:
+        if seconds > 0 and self.samples:  # predictions made with evidence (the prior's is not one)
             rel = abs(self._latency + blocks * self._per_block - seconds) / seconds
             self._err_num = self.forget * self._err_num + rel
             self._err_den = self.forget * self._err_den + 1.0

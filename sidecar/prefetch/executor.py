@@ -31,6 +31,8 @@ from shm.chain import key as chain_key, length as chain_len, span as chain_span
 from sidecar.kv.ops import KVCore
 from sidecar.kv.index import pack_ids
 from sidecar.l3.tier import L3Tier, read_priority
+from sidecar.observe.outcome import SessionObserver, SessionOutcome
+from sidecar.observe.sessionlog import SessionLog
 from sidecar.service import DEFERRED, OpError, Service
 from sidecar.prefetch.cost import Outlook
 from sidecar.prefetch.waits import SessionWaits, satisfied
@@ -83,11 +85,16 @@ class Record:
     abandoned: int = 0  # chunks whose read was still in flight when the drain budget ran out
     eta: float | None = None  # cost_aware: when the engine expects to start its prefill (None: now)
     prefill_s_per_block: float = 0.0  # cost_aware: the engine's prefill cost of one block
+    withdrawn: int = 0  # blocks of queued reads withdrawn at the seal
+    read_s_per_block: list = dataclasses.field(default_factory=list)  # per completed L3 read
 
 
 class SessionManager(Service):
-    def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic):
+    def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic,
+                 observer: SessionObserver | None = None):
         self.clock = clock  # injected: the executor bench drives a fake clock
+        # told of every terminal session (default: the structured log line, sidecar.observe)
+        self.observer = observer if observer is not None else SessionLog()
         self.core = core
         self.tier = tier
         self.cfg = cfg
@@ -401,6 +408,8 @@ class SessionManager(Service):
                 continue
             if not io.job.cancel():
                 continue
+            rec.withdrawn += len(io.own_blocks)
+            self.counters["blocks_withdrawn"] += len(io.own_blocks)
             for pos, b in list(io.own_blocks.items()):
                 self.index.drop_staging(chain_key(rec.chain, pos), b)
                 self.outstanding_staging -= 1
@@ -500,6 +509,8 @@ class SessionManager(Service):
         io.reading = False
         io.read_ok = dict(zip(sorted(io.own_blocks), ok))
         rec.transfer_times.append(result.seconds * 1e3)
+        if ok:
+            rec.read_s_per_block.append(result.seconds / len(ok))
         self._maybe_chunk_done(rec, chunk)
 
     def key_resolved(self, key: bytes, published: bool) -> None:
@@ -578,7 +589,20 @@ class SessionManager(Service):
         if rec.sealed_at is not None:
             self.drain_ms.append((now - rec.sealed_at) * 1e3)
         self.sidecar.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
-        log.debug("session %d %s: prefix %d (%s)", rec.id, a.status.value, a.prefix, a.reason)
+        self.observer.session_ended(self._outcome(rec, a, now))
+
+    def _outcome(self, rec: Record, a: Finish, now: float) -> SessionOutcome:
+        m = rec.machine
+        return SessionOutcome(
+            session=rec.id, request=str(rec.key[1]), group=rec.key[0], policy=rec.policy,
+            status=a.status.value, reason=a.reason, trigger=rec.trigger, blocks_total=m.p.total,
+            blocks_resident=m.p.resident, blocks_target=m.target, blocks_published=m.published, prefix=a.prefix,
+            blocks_restored=rec.restored, blocks_withdrawn=rec.withdrawn, chunks=len(rec.chunk_times),
+            chunks_abandoned=rec.abandoned, elapsed_s=now - rec.created,
+            stop_latency_s=now - rec.trigger_at if rec.trigger_at is not None else None,
+            drain_s=now - rec.sealed_at if rec.sealed_at is not None else None,
+            chunk_s=tuple(t / 1e3 for t in rec.chunk_times), read_s_per_block=tuple(rec.read_s_per_block),
+            tokens_per_block=self.core.layout.tokens_per_block)
 
     def _forget(self, sid: int) -> None:
         rec = self.by_id.pop(sid, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 
 from shm import protocol
 from shm.control import ControlSegment
@@ -43,6 +44,7 @@ class ClientConn:
         self.detaching = False
         self.requests = 0
         self.errors = 0
+        self.created = time.monotonic()  # when the sidecar saw the slot claimed
 
     @property
     def attached(self) -> bool:

@@ -397,7 +397,9 @@ class Sidecar:
         return out
 
     # -- observability -----------------------------------------------------------------------
-    def snapshot(self) -> dict:
+    def snapshot(self, status: bool = False) -> dict:
+        """Clients, counters and every service's stats; with ``status``, also their inspector
+        tables (what :meth:`_publish_stats` writes into the control segment)."""
         clients = []
         for conn in self.clients.values():
             info = conn.info
@@ -416,12 +418,17 @@ class Sidecar:
         }
         for svc in self.services:
             snap.update(svc.stats())
+        if status:
+            tables = {}
+            for svc in self.services:
+                tables.update(svc.status())
+            snap["status"] = tables
         return snap
 
     def _publish_stats(self, now: float) -> None:
         self._last_stats = now
         self._stats_dirty = False
         try:
-            self.ctl.write_stats(self.snapshot())
+            self.ctl.write_stats(self.snapshot(status=True))
         except Exception:
             log.exception("publishing stats failed")
