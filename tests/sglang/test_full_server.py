@@ -72,10 +72,10 @@ def sidecar_overrides(tmp_path, **extra) -> dict:
 
 
 def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
-    """The sidecar and ``sglang.launch_server --device cpu`` (TP=2, HiCache, kvsidecar storage);
-    with ``plugin`` the kvsidecar radix cache (``--radix-cache-backend kvsidecar``) and SGLang's
-    ``wait_complete``; without it SGLang does not load the plugin (``SGLANG_PLUGINS``) and
-    kvsidecar runs with sessions disabled."""
+    """The sidecar and ``sglang.launch_server --device cpu`` (TP=2, HiCache, kvsidecar storage,
+    SGLang's ``wait_complete``); with ``plugin`` the kvsidecar radix cache (``--radix-cache-backend
+    kvsidecar``); without it SGLang does not load the plugin (``SGLANG_PLUGINS``) and kvsidecar runs
+    with sessions disabled."""
     sc = SidecarProcess(instance, overrides=sidecar_over)
     port = free_port()
     plugin_cfg = tmp_path / "kvsidecar-sglang.toml"
@@ -95,8 +95,10 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
             "--page-size", str(PAGE), "--max-total-tokens", "8192", "--enable-hierarchical-cache",
             "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
             "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra)]
+    # SGLang waits for its storage transfer in both (its best_effort would race a blocking restore)
+    args += ["--hicache-storage-prefetch-policy", "wait_complete"]
     if plugin:
-        args += ["--radix-cache-backend", "kvsidecar", "--hicache-storage-prefetch-policy", "wait_complete"]
+        args += ["--radix-cache-backend", "kvsidecar"]
     log_path = tmp_path / "server.log"
     log = open(log_path, "wb")
     t0 = time.monotonic()
