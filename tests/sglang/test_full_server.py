@@ -327,8 +327,12 @@ def test_full_server_plugin_disabled_starts_no_session(server_factory, instance,
         c.flush()
         second, meta = generate(port, ids)
         assert second == first
-        assert storage_tokens(meta) >= 256, meta  # the storage backend alone still serves from L3
-        s = c.stats()["sessions"]
+        st = c.stats()
+        # Without sessions each rank restores on its own: when both restore the chain at once, the
+        # rank that finds it staging by the other answers short and SGLang's MIN drops the hit
+        # (recompute, never wrong).  Sessions answer every rank alike; here only zero sessions count.
+        assert st["counters"].get("op_restore", 0) >= TP, sorted(st["counters"].items())  # the legacy path ran
+        s = st["sessions"]
         assert not any(v for k, v in s.items() if k.startswith("started_")), s  # zero sessions
     finally:
         c.close()
