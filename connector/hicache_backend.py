@@ -6,21 +6,41 @@ SGLang loads it with::
       '{"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
         "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "instance": "kvs0"}'
 
-Each TP rank attaches to the node's sidecar as its own client.  SGLang's page keys are
-chained SHA-256 hex strings without the TP rank; the backend maps each one to a 16-byte
-kvsidecar key seeded with the layout fingerprint and the **shard** (``r<rank>/<tp>`` for MHA,
-one shared shard for MLA, where only the storage writer writes).  A block holds one host-pool
-page of this rank, gathered from / scattered to the buffers ``get_page_buffer_meta`` names —
-one memcpy per buffer, straight between SGLang's host pool and the shared pool.
+(configuration: ``connector.sglang_config``; the lifecycle plugin: ``connector.sglang_plugin``).
 
-* ``batch_exists``: consecutive hits in the CPU pool; if short and L3 is configured, the
-  sidecar restores the rest from L3 into the pool first (its read lanes, per-block results).
-* ``batch_get_v1``: held GET of the leading resident blocks, copy into the host pages,
-  release; the result is page by page.
-* ``batch_set_v1``: staging for the non-resident pages, copy from the host pages, commit
-  (and write behind to L3).
-* When the sidecar is absent, dies or is slow, every call answers miss / False promptly
-  and SGLang keeps serving; the backend re-attaches on a later call.
+**One TP group for all ranks.**  Every rank of a server attaches to the same sidecar group
+with a ``tp_size = N`` layout whose shard ``r`` is exactly one host-pool page of rank ``r``
+(gathered from / scattered to the buffers ``get_page_buffer_meta`` names, one memcpy per
+buffer).  SGLang's page keys (chained SHA-256, seeded by SGLang with the request's
+``extra_key`` -- which carries the LoRA id -- and ``cache_salt``; no rank) map to one
+kvsidecar key per page, seeded with the layout fingerprint and the configured namespace, so
+one block holds every rank's shard and one prefetch session serves all ranks; group ops
+(``req`` + ``step``) give every rank the same count, so SGLang's own MIN all-reduces agree
+trivially.
+
+* ``batch_exists`` (SGLang's prefetch thread, the whole tail chain at once): starts -- or
+  joins, for the other ranks -- the request's prefetch session with the full chain and
+  kvsidecar's policy, and answers from metadata only: the pool's resident prefix plus L3's
+  hit (``wait`` on the session's query, bounded by ``sessions.query_wait_s``).  It never
+  waits for data.
+* ``batch_get_v1`` (SGLang's I/O thread, per 128-page batch): waits (bounded by
+  ``sessions.get_wait_s``, woken by the sidecar) until the session has published the batch
+  or stopped, takes a group-consistent held GET (which hands the session's prefetch lease
+  over), copies what is resident into the host pages, releases.  Pages past the session's
+  drained prefix answer False, so SGLang's ``completed_tokens`` is exactly that prefix.
+* ``batch_set_v1`` (backup thread): a group-consistent store (every rank writes its shard of
+  the same staging; published when all have committed, then written behind to L3).
+* The request identity (SGLang's ``rid`` / attempt) comes from the plugin, which binds the
+  operation to the calling thread (:meth:`bind`).  Without the plugin (degraded) a session
+  gets an id derived from its chain, policy ``timeout``: no demand, no abort, the sidecar's
+  deadline stops it.
+* **Threads**: every calling thread has its own sidecar connection
+  (:class:`connector.thread_conns.PerThreadConnectors`); the backend's own tables are
+  guarded by one lock that is never held across a sidecar call.
+* ``sessions.enabled = false``: no sessions -- ``batch_exists`` restores the whole chain from
+  L3 itself (SGLang's prefetch thread waits for the data), the behaviour before the plugin.
+* When the sidecar is absent, dies or is slow, every call answers miss / False within its
+  deadline and SGLang keeps serving; each thread re-attaches on a later call.
 
 Importable without SGLang (then it derives from a small stand-in base).
 """
@@ -28,15 +48,21 @@ Importable without SGLang (then it derives from a small stand-in base).
 from __future__ import annotations
 
 import array
+import collections
+import contextlib
+import dataclasses
 import logging
-import time
+import threading
 
 from native.copy import copy_regions
 from native.hashing import murmur3_128
-from shm.errors import ErrorCode, KvSidecarError, RemoteError
+from shm.chain import span as chain_span
+from shm.errors import ErrorCode, KvSidecarError, RemoteError, SidecarUnavailable
 from shm.layout import KVLayout
 
 from .kv_client import KVConnector
+from .sglang_config import PluginConfig, load_plugin_config
+from .thread_conns import PerThreadConnectors
 
 try:  # pragma: no cover - exercised in the SGLang virtualenv
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -54,147 +80,343 @@ _DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.floa
            "torch.int8": "int8"}
 
 
-def layout_for_host_pool(pool, model_name: str | None, is_mla: bool) -> KVLayout:
-    """The kvsidecar layout whose block is exactly one page of this rank's host pool."""
+def layout_for_host_pool(pool, model_name: str | None, is_mla: bool, tp_size: int = 1) -> KVLayout:
+    """The kvsidecar layout of a TP group whose shard ``r`` is one page of rank ``r``'s host pool
+    (MLA: one replicated shard)."""
     dtype = _DTYPES.get(str(pool.dtype))
     if dtype is None:
         raise ValueError(f"unsupported host pool dtype {pool.dtype}")
     if is_mla:
         head_dim = getattr(pool, "kv_lora_rank", 0) + getattr(pool, "qk_rope_head_dim", 0)
         return KVLayout(model=model_name or "model", num_layers=pool.layer_num, num_kv_heads=1,
-                        head_dim=head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=1, mla=True)
-    return KVLayout(model=model_name or "model", num_layers=pool.layer_num, num_kv_heads=pool.head_num,
-                    head_dim=pool.head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=1)
+                        head_dim=head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=tp_size, mla=True)
+    return KVLayout(model=model_name or "model", num_layers=pool.layer_num, num_kv_heads=pool.head_num * tp_size,
+                    head_dim=pool.head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=tp_size)
+
+
+@dataclasses.dataclass
+class SessionRef:
+    """What this rank knows about one request's prefetch session."""
+
+    rid: str
+    attempt: int
+    chain: bytes  # the full kvsidecar chain of the queried span
+    positions: dict  # SGLang page key -> position in ``chain``
+    demanded: bool = False  # the scheduler saw the request as a candidate
+    ended: bool = False  # the scheduler is done with it (consumed, terminated, aborted)
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    rid: str
+    attempt: int
 
 
 class KvSidecarHiCacheStorage(_Base):
     def __init__(self, storage_config, kwargs=None):
-        extra = dict(getattr(storage_config, "extra_config", None) or {})
-        self.instance = extra.get("instance", "kvsidecar")
-        self.namespace = extra.get("namespace", "")
-        self.use_l3 = bool(extra.get("l3", True))
-        self.timeout_s = float(extra.get("timeout_s", 2.0))
-        self.reattach_every_s = float(extra.get("reattach_every_s", 1.0))
+        self.config: PluginConfig = load_plugin_config(getattr(storage_config, "extra_config", None))
+        cfg = self.config
+        self.instance = cfg.instance
+        self.namespace = cfg.namespace
+        self.use_l3 = cfg.l3
         self.rank = storage_config.tp_rank
         self.tp_size = storage_config.tp_size
         self.is_mla = storage_config.is_mla_model
-        self.writer = storage_config.is_storage_writer
-        # a stable model id for the layout fingerprint (default: SGLang's model name / path)
-        self.model_name = extra.get("model") or storage_config.model_name
-        self.shard = "mla" if self.is_mla else f"r{self.rank}/{self.tp_size}"
+        self.writer = getattr(storage_config, "is_storage_writer", True)
+        self.model_name = cfg.model or storage_config.model_name
+        self.group = cfg.group or (f"sglang:{self.model_name}:tp{self.tp_size}"
+                                   f":pp{getattr(storage_config, 'pp_rank', 0)}:dp{getattr(storage_config, 'dp_rank', 0)}")
         self.mem_pool_host = None
-        self.conn: KVConnector | None = None
-        self._down_since: float | None = None
+        self.layout: KVLayout | None = None
+        self.conns: PerThreadConnectors | None = None
+        self.plugin_driven = False  # set by connector.sglang_plugin once its hooks are applied
+        self._bound = threading.local()
+        self._lock = threading.Lock()
+        self._sessions: dict[tuple, SessionRef] = {}
+        self._by_key: dict[str, SessionRef] = {}
+        self._early: dict[tuple, str] = {}  # (rid, attempt) -> "demand" | "abort" before the query ran
+        self._anon: dict[str, int] = {}
+        self._ended: collections.OrderedDict = collections.OrderedDict()  # recently ended (rid, attempt)
         self.counters = {"exists_calls": 0, "get_pages_ok": 0, "get_pages_missed": 0, "set_pages_ok": 0,
-                         "set_pages_failed": 0, "degraded_calls": 0}
+                         "set_pages_failed": 0, "degraded_calls": 0, "sessions_started": 0, "sessions_joined": 0,
+                         "demands": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0}
 
     # -- set-up -------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.layout = layout_for_host_pool(mem_pool_host, self.model_name, self.is_mla)
+        self.layout = layout_for_host_pool(mem_pool_host, self.model_name, self.is_mla, self.tp_size)
         ptrs, sizes = mem_pool_host.get_page_buffer_meta(_indices(mem_pool_host, [0]))
-        if sum(sizes) != self.layout.block_bytes:
-            raise ValueError(f"host pool page is {sum(sizes)} bytes, layout block is {self.layout.block_bytes}")
+        if sum(sizes) != self.layout.shard_bytes:
+            raise ValueError(f"host pool page is {sum(sizes)} bytes, a layout shard is {self.layout.shard_bytes}")
         self.entries_per_page = len(ptrs)
         self.entry_bytes = sizes[0]
-        self.seed = murmur3_128(b"kvsidecar-hicache-v1" + self.layout.fingerprint() + self.shard.encode()
-                                + self.namespace.encode())
-        self._attach()
+        self.shard_offset = self.layout.shard_of(self.rank) * self.layout.shard_bytes
+        self.seed = murmur3_128(b"kvsidecar-hicache-v2" + self.layout.fingerprint() + self.namespace.encode())
+        cfg = self.config
+        self.conns = PerThreadConnectors(
+            lambda: KVConnector(self.instance, self.layout, rank=self.rank, group=self.group,
+                                namespace=self.namespace, timeout_s=cfg.timeout_s, populate=cfg.populate),
+            cfg.reattach_every_s)
+        if self.conns.current() is not None:
+            log.info("kvsidecar backend: rank %d/%d attached to %s as group %r (sessions: policy %s, "
+                     "chunk_max_blocks %s, budget %s)", self.rank, self.tp_size, self.instance, self.group,
+                     cfg.sessions.policy, cfg.sessions.chunk_max_blocks or "sidecar default",
+                     cfg.sessions.budget_s or "sidecar formula")
 
-    def _attach(self) -> bool:
-        self.conn = KVConnector(self.instance, self.layout, rank=0, group=f"hicache-{self.shard}",
-                                namespace=self.namespace, timeout_s=self.timeout_s)
-        try:
-            self.conn.attach()
-            self._down_since = None
-            return True
-        except KvSidecarError as exc:
-            log.warning("kvsidecar %s unavailable (%s): storage misses until it is back", self.instance, exc)
-            self.conn.close()
-            self._down_since = time.monotonic()
-            return False
-
-    def _ready(self) -> bool:
-        if self.conn is not None and self.conn.client.attached:
-            return True
-        if self._down_since is not None and time.monotonic() - self._down_since < self.reattach_every_s:
-            return False
-        if self.conn is not None:
-            self.conn.close()
-        return self._attach()
+    @property
+    def conn(self) -> KVConnector | None:
+        """The calling thread's connection (tools and tests)."""
+        return self.conns.current() if self.conns is not None else None
 
     def _call(self, fn, default):
-        if self.mem_pool_host is None or not self._ready():
-            self.counters["degraded_calls"] += 1
+        """``fn(this thread's connector)``, or ``default`` (a miss) when the sidecar is unavailable.
+
+        A connection to an incarnation that is gone (the sidecar was restarted) re-attaches at
+        once and runs ``fn`` again, once, from the start; a sidecar that is down answers miss
+        and is retried after ``reattach_every_s``."""
+        for retry in (False, True):
+            conn = self.conns.current() if self.conns is not None and self.mem_pool_host is not None else None
+            if conn is None:
+                self._count("degraded_calls")
+                return default
+            try:
+                return fn(conn)
+            except SidecarUnavailable as exc:
+                if not retry and not conn.client.attached:
+                    log.info("kvsidecar %s: %s; re-attaching", self.instance, exc)
+                    continue
+                failure = exc
+            except KvSidecarError as exc:
+                failure = exc
+            log.warning("kvsidecar call failed (%s); answering miss", failure)
+            self._count("degraded_calls")
+            self.conns.broken()
             return default
+
+    # -- request identity (bound by connector.sglang_plugin around SGLang's storage calls) ------
+    @contextlib.contextmanager
+    def bind(self, rid: str, attempt: int = 0):
+        """Calls from this thread inside the block belong to request ``rid`` (attempt ``attempt``)."""
+        prev = getattr(self._bound, "value", None)
+        self._bound.value = Binding(str(rid), int(attempt or 0))
         try:
-            return fn()
-        except KvSidecarError as exc:
-            log.warning("kvsidecar call failed (%s); answering miss", exc)
-            self.counters["degraded_calls"] += 1
-            if not self.conn.client.attached:
-                self._down_since = time.monotonic()
-            return default
+            yield
+        finally:
+            self._bound.value = prev
+
+    def _binding(self) -> Binding | None:
+        return getattr(self._bound, "value", None)
 
     # -- keys and copies ----------------------------------------------------------------------------
     def _chain(self, keys) -> bytes:
         seed = self.seed
         return b"".join(murmur3_128(seed + k.encode()) for k in keys)
 
-    def _copy(self, blocks, host_indices, n_pages: int, to_host: bool) -> None:
-        """One memcpy per host-pool buffer of each page, between pool block and host page."""
+    def _copy(self, conn, blocks, host_indices, n_pages: int, to_host: bool) -> None:
+        """One memcpy per host-pool buffer of each page, between this rank's shard of a pool
+        block and the host page."""
         ptrs, _sizes = self.mem_pool_host.get_page_buffer_meta(host_indices[: n_pages * self.layout.tokens_per_block])
         e, eb = self.entries_per_page, self.entry_bytes
-        pool_base = self.conn.pool.address
-        bb = self.layout.block_bytes
-        block_offs = array.array("q", (b * bb + j * eb for b in blocks[:n_pages] for j in range(e)))
+        bb, so = self.layout.block_bytes, self.shard_offset
+        block_offs = array.array("q", (b * bb + so + j * eb for b in blocks[:n_pages] for j in range(e)))
         host_ptrs = array.array("q", ptrs)
         if to_host:
-            copy_regions(0, host_ptrs, pool_base, block_offs, eb)
+            copy_regions(0, host_ptrs, conn.pool.address, block_offs, eb)
         else:
-            copy_regions(pool_base, block_offs, 0, host_ptrs, eb)
+            copy_regions(conn.pool.address, block_offs, 0, host_ptrs, eb)
+
+    # -- sessions -------------------------------------------------------------------------------------
+    def _identity(self, keys) -> tuple[str, int, bool]:
+        """(rid, attempt, plugin-driven) for a query: the plugin's binding, else an id every rank
+        derives alike (SPMD ranks query the same chains in the same order)."""
+        b = self._binding()
+        if b is not None:
+            return b.rid, b.attempt, True
+        tail = keys[-1]
+        with self._lock:
+            n = self._anon[tail] = self._anon.get(tail, -1) + 1
+            if len(self._anon) > 65536:  # bounded: old chains are not queried again by this id
+                self._anon.clear()
+        return f"anon:{tail}:{len(keys)}:{n}", 0, False
+
+    def _register_locked(self, ref: SessionRef) -> None:
+        old = self._sessions.pop((ref.rid, ref.attempt), None)
+        if old is not None:
+            self._unindex(old)
+        self._sessions[(ref.rid, ref.attempt)] = ref
+        for k in ref.positions:
+            self._by_key[k] = ref
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _unindex(self, ref: SessionRef) -> None:
+        for k in ref.positions:
+            if self._by_key.get(k) is ref:
+                del self._by_key[k]
+
+    def _session_for(self, keys) -> SessionRef | None:
+        """The session whose chain holds ``keys`` as one consecutive span (the bound request's,
+        else the latest one queried with them)."""
+        b = self._binding()
+        with self._lock:
+            ref = self._sessions.get((b.rid, b.attempt)) if b is not None else None
+            if ref is None or keys[0] not in ref.positions:
+                ref = self._by_key.get(keys[0])
+        if ref is None:
+            return None
+        off = ref.positions[keys[0]]
+        return ref if ref.positions.get(keys[-1]) == off + len(keys) - 1 else None
+
+    def session(self, rid: str, attempt: int = 0) -> SessionRef | None:
+        with self._lock:
+            return self._sessions.get((str(rid), int(attempt or 0)))
+
+    def demand(self, rid: str, attempt: int = 0) -> None:
+        """SGLang's first readiness check of the request: it is a scheduling candidate now."""
+        if not self.config.sessions.enabled:
+            return
+        key = (str(rid), int(attempt or 0))
+        with self._lock:
+            ref = self._sessions.get(key)
+            if ref is None:
+                self._early.setdefault(key, "demand")  # the query has not run yet: demand it then
+                return
+            if ref.demanded:
+                return
+            ref.demanded = True
+        self._count("demands")
+
+        def run(c):
+            try:
+                c.demand(key[0], attempt=key[1])
+            except RemoteError as exc:
+                if exc.code != ErrorCode.UNKNOWN_ID:
+                    raise
+                # the query thread's prefetch has not reached the sidecar yet: it sends the demand
+
+        self._call(run, None)
+
+    def end(self, rid: str, attempt: int = 0, abort: bool = True) -> None:
+        """The request's prefetch is over for SGLang (consumed, terminated, revoked or aborted):
+        stop the session if it still runs and drop whatever it still holds."""
+        if not self.config.sessions.enabled:
+            return
+        key = (str(rid), int(attempt or 0))
+        with self._lock:
+            ref = self._sessions.pop(key, None)
+            if ref is not None:
+                ref.ended = True
+            if ref is None:
+                if key not in self._ended:  # the query has not run yet: it must not start a session
+                    self._early[key] = "abort"
+                    if len(self._early) > 65536:
+                        self._early.clear()
+                return
+            self._unindex(ref)
+            self._ended[key] = None
+            while len(self._ended) > 4096:
+                self._ended.popitem(last=False)
+        if abort:
+            self._count("aborts")
+            self._call(lambda c: c.abort(key[0], attempt=key[1]), None)
 
     # -- the v1 interface -------------------------------------------------------------------------
     def batch_exists(self, keys, extra_info=None) -> int:
-        self.counters["exists_calls"] += 1
+        self._count("exists_calls")
         if not keys:
             return 0
         chain = self._chain(keys)
+        if not self.use_l3:
+            return self._call(lambda c: c.lookup(chain), 0)
+        if not self.config.sessions.enabled:
+            return min(len(keys), self._call(lambda c: _restore_then_lookup(c, chain, len(keys)), 0))
+        rid, attempt, driven = self._identity(keys)
+        s = self.config.sessions
+        policy = s.policy if driven else "timeout"
+        ref = SessionRef(rid, attempt, chain, {k: i for i, k in enumerate(keys)})
+        with self._lock:  # registered before the prefetch: a demand or end from the scheduler finds it
+            early = self._early.pop((rid, attempt), None)
+            if early == "abort":
+                return 0  # the request left before its query ran
+            ref.demanded = early == "demand"
+            self._register_locked(ref)
 
-        def run():
-            hit = self.conn.lookup(chain)
-            if hit < len(keys) and self.use_l3:
-                try:
-                    self.conn.restore(chain)  # L3 -> CPU pool for the rest, then count again
-                except RemoteError as exc:
-                    if exc.code != ErrorCode.UNKNOWN_OP:
-                        raise
-                    self.use_l3 = False  # this sidecar runs without an L3 tier
-                    return hit
-                hit = self.conn.lookup(chain)
-            return hit
+        def run(c):
+            view = c.prefetch(chain, rid, attempt=attempt, policy=policy, budget_s=s.budget_s,
+                              chunk_max_blocks=s.chunk_max_blocks or None,
+                              tokens=len(keys) * self.layout.tokens_per_block)
+            self._count("sessions_joined" if view.get("existed") else "sessions_started")
+            with self._lock:
+                demanded, ended = ref.demanded, ref.ended
+            if ended:  # the scheduler was done with it while the prefetch was on its way
+                c.abort(rid, attempt=attempt)
+                return 0
+            if demanded:  # (again: a demand sent before the prefetch arrived found no session)
+                c.demand(rid, attempt=attempt)
+            if view["state"] in ("created", "querying"):
+                view = c.wait(rid, attempt=attempt, timeout_s=s.query_wait_s)
+                if view.get("timed_out"):
+                    self._count("query_wait_timeouts")
+            if view["state"] == "terminal":
+                return view["prefix"]
+            if view["state"] in ("created", "querying", "unknown"):
+                return view.get("published", 0)  # L3 did not answer in time: the resident prefix only
+            return view["target"]
 
-        return self._call(run, 0)
+        hit = self._call(run, None)
+        if hit is None:  # no sidecar: nothing to track
+            with self._lock:
+                if self._sessions.get((rid, attempt)) is ref:
+                    del self._sessions[(rid, attempt)]
+                    self._unindex(ref)
+            return 0
+        return min(len(keys), hit)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list:
         n = len(keys)
         if n == 0:
             return []
-        chain = self._chain(keys)
+        ref = self._session_for(keys)
+        if ref is None:
+            chain = self._chain(keys)
 
-        def run():
-            lease = self.conn.get(chain)
-            try:
-                if lease.count:
-                    self._copy(lease.blocks, host_indices, lease.count, to_host=True)
-            finally:
-                self.conn.release(lease)
-            return lease.count
+            def run(c):
+                lease = c.get(chain)
+                try:
+                    if lease.count:
+                        self._copy(c, lease.blocks, host_indices, lease.count, to_host=True)
+                finally:
+                    c.release(lease)
+                return lease.count
+        else:
+            off = ref.positions[keys[0]]
+            end = off + n
+
+            def run(c):
+                view = c.wait(ref.rid, attempt=ref.attempt, until=end, timeout_s=self.config.sessions.get_wait_s)
+                if view.get("timed_out"):
+                    self._count("get_wait_timeouts")
+                # group-consistent: every rank gets the same blocks for this batch of this request
+                lease = c.get(chain_span(ref.chain, 0, end), req=ref.rid, attempt=ref.attempt or None, step=off)
+                try:
+                    got = max(0, min(lease.count, end) - off)
+                    if got:
+                        self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True)
+                finally:
+                    c.release(lease)
+                return got
 
         got = self._call(run, 0)
-        self.counters["get_pages_ok"] += got
-        self.counters["get_pages_missed"] += n - got
+        self._count("get_pages_ok", got)
+        self._count("get_pages_missed", n - got)
         return [i < got for i in range(n)]
+
+    def _store(self, c, chain: bytes, keys):
+        if self.layout.writers() > 1:  # every rank writes its shard of one staging: a group decision
+            return c.store(chain, l3=self.use_l3, req=f"w:{keys[0][:24]}:{keys[-1][:24]}:{len(keys)}", step=0)
+        return c.store(chain, l3=self.use_l3)
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list:
         n = len(keys)
@@ -204,28 +426,28 @@ class KvSidecarHiCacheStorage(_Base):
             return [True] * n
         chain = self._chain(keys)
 
-        def run():
-            st = self.conn.store(chain, l3=self.use_l3)
+        def run(c):
+            st = self._store(c, chain, keys)
             if st.count:
                 ok = True
                 try:
                     idx = host_indices[st.start * self.layout.tokens_per_block:]
-                    self._copy(st.blocks, idx, st.count, to_host=False)
+                    self._copy(c, st.blocks, idx, st.count, to_host=False)
                 except Exception:
                     log.exception("copy into staging failed")
                     ok = False
-                self.conn.commit(st, ok=ok)
+                c.commit(st, ok=ok)
                 if not ok:
                     return [i < st.start for i in range(n)]
             # resident before, written now, or being written by another store: all present
             return [True] * n
 
         res = self._call(run, [False] * n)
-        self.counters["set_pages_ok"] += sum(res)
-        self.counters["set_pages_failed"] += n - sum(res)
+        self._count("set_pages_ok", sum(res))
+        self._count("set_pages_failed", n - sum(res))
         return res
 
-    # -- the generic interface --------------------------------------------------------------------
+    # -- the generic interface (whole pages as uint8 tensors; this rank's shard) ------------------
     def exists(self, key) -> bool:
         return self.batch_exists([key]) == 1
 
@@ -238,26 +460,26 @@ class KvSidecarHiCacheStorage(_Base):
         import torch
 
         chain = self._chain(keys)
+        sb, so, bb = self.layout.shard_bytes, self.shard_offset, self.layout.block_bytes
 
-        def run():
-            lease = self.conn.get(chain)
+        def run(c):
+            lease = c.get(chain)
             out = []
             try:
-                pool = self.conn.pool.view
-                bb = self.layout.block_bytes
+                pool = c.pool.view
                 for i in range(len(keys)):
                     if i >= lease.count:
                         out.append(None)
                         continue
-                    b = lease.blocks[i]
-                    data = torch.frombuffer(bytearray(pool[b * bb:(b + 1) * bb]), dtype=torch.uint8)
+                    at = lease.blocks[i] * bb + so
+                    data = torch.frombuffer(bytearray(pool[at:at + sb]), dtype=torch.uint8)
                     if target_locations is not None and target_locations[i] is not None:
                         target_locations[i].view(torch.uint8).view(-1).copy_(data)
                         out.append(target_locations[i])
                     else:
                         out.append(data)
             finally:
-                self.conn.release(lease)
+                c.release(lease)
             return out
 
         return self._call(run, [None] * len(keys))
@@ -267,45 +489,54 @@ class KvSidecarHiCacheStorage(_Base):
                               [target_location] if target_location is not None else None)
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        """Store whole-block values (tensors of exactly ``block_bytes``)."""
+        """Store whole-page values (tensors of exactly one shard's bytes)."""
+        import torch
+
         src = values if values is not None else target_locations
         if src is None or len(src) != len(keys):
             return False
         if not self.writer:
             return True
         chain = self._chain(keys)
+        sb, so, bb = self.layout.shard_bytes, self.shard_offset, self.layout.block_bytes
 
-        def run():
-            st = self.conn.store(chain, l3=self.use_l3)
+        def run(c):
+            st = self._store(c, chain, keys)
             if not st.count:
                 return True
-            bb = self.layout.block_bytes
-            view = self.conn.pool.view
+            view = c.pool.view
             for i, b in enumerate(st.blocks):
-                t = src[st.start + i].contiguous().view(-1)
-                raw = t.view(__import__("torch").uint8).numpy().tobytes()
-                if len(raw) != bb:
-                    self.conn.commit(st, ok=False)
+                raw = src[st.start + i].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                if len(raw) != sb:
+                    c.commit(st, ok=False)
                     return False
-                view[b * bb:(b + 1) * bb] = raw
-            return bool(self.conn.commit(st).get("published"))
+                view[b * bb + so:b * bb + so + sb] = raw
+            r = c.commit(st)
+            return bool(r.get("published") or r.get("pending"))
 
         return self._call(run, False)
 
     def clear(self) -> None:
         """Drop every unpinned block of the CPU pool (L3 keeps its copies)."""
-        self._call(lambda: self.conn.flush(), 0)
+        self._call(lambda c: c.flush(), 0)
 
     def get_stats(self):
-        return dict(self.counters)
+        with self._lock:
+            return dict(self.counters)
 
     def close(self) -> None:
-        if self.conn is not None:
-            try:
-                self.conn.detach()
-            except KvSidecarError:
-                self.conn.close()
-            self.conn = None
+        if self.conns is not None:
+            self.conns.close_all()
+            self.conns = None
+
+
+def _restore_then_lookup(c, chain: bytes, n: int) -> int:
+    """Sessions disabled: the whole-chain restore on the calling thread (it waits for the data)."""
+    hit = c.lookup(chain)
+    if hit < n:
+        c.restore(chain)
+        hit = c.lookup(chain)
+    return hit
 
 
 def _indices(pool, pages):

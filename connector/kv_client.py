@@ -193,6 +193,15 @@ class KVConnector:
         estimate of when the prefill can start (``cost_aware`` re-plans with it, once per step)."""
         return self.client.call("poll", req=req, attempt=attempt or None, step=step, eta_s=eta_s)
 
+    def wait(self, req: str, attempt: int = 0, until: int | None = None, terminal: bool = False,
+             timeout_s: float = 5.0) -> dict:
+        """Block (bounded, no polling: the sidecar answers when it can) until the session's L3
+        query is done — or, with ``until``, until that many blocks are published; with
+        ``terminal``, until it ended — or it is terminal, or ``timeout_s`` passed (then
+        ``timed_out`` is set).  Returns its view."""
+        return self.client.call("wait", timeout_s=timeout_s + self.client.timeout_s, req=req,
+                                attempt=attempt or None, until=until, terminal=terminal or None, wait_s=timeout_s)
+
     def flush(self) -> int:
         """Evict every unpinned block from the CPU pool; returns how many."""
         return self.client.call("flush")["evicted"]

@@ -119,3 +119,26 @@ def test_child_runs_this_package_from_anywhere(instance, tmp_path, monkeypatch):
     assert os.environ.get("PYTHONPATH") != fixed["PYTHONPATH"]  # only the child's environment
     with SidecarProcess(instance, overrides={"l3.backend": "none", "pool.num_blocks": 16}, env=env) as sp:
         assert sp.proc.poll() is None
+
+
+def test_sglang_plugin_entry_point_installs_into_a_fresh_venv(tmp_path):
+    """scripts/sglang/setup_venv.sh installs kvsidecar's metadata with install_metadata.py: in a
+    brand-new virtualenv, SGLang's plugin group then names connector.sglang_plugin:load from this
+    checkout (what SGLang's load_plugins() discovers in every scheduler process)."""
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert eps["sglang.srt.plugins"] == {"kvsidecar": "connector.sglang_plugin:load"}
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    r = subprocess.run([py, str(ROOT / "scripts" / "sglang" / "install_metadata.py")], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "connector imported from " + str(ROOT) in r.stdout
+    probe = ("from importlib.metadata import entry_points; import json; "
+             "print(json.dumps([[e.name, e.value, e.dist.name] for e in entry_points(group='sglang.srt.plugins')]))")
+    r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert json.loads(r.stdout) == [["kvsidecar", "connector.sglang_plugin:load", "kvsidecar"]], r.stderr
+    r = subprocess.run([py, "-c", "import importlib.util as u; print(u.find_spec('connector.sglang_plugin').origin)"],
+                       capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert r.stdout.strip().startswith(str(ROOT)), r.stderr

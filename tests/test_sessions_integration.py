@@ -273,3 +273,37 @@ def test_a_short_session_does_not_cut_a_long_one_on_a_shared_prefix(sidecar_fact
         s = books(c)
         assert s["l3"]["read_blocks_ok"] == N  # every block read once
         assert s["pool"]["staging"] == 0 and s["leases"]["live"] == 0 and s["sessions"]["orphans"] == 0
+
+
+def test_wait_answers_at_the_query_at_a_published_count_and_at_its_deadline(sidecar_factory, instance, tmp_path,
+                                                                            kv, l3_filled):
+    """The deferred ``wait`` op (what the SGLang backend blocks on instead of polling): it answers
+    once the L3 query is done (target known, nothing read yet), once ``until`` blocks are
+    published, or at its own deadline with ``timed_out`` -- and for an unknown request at once."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        assert c.wait("nobody")["state"] == "unknown"
+        c.prefetch(l3_filled, "w", policy="wait_complete")
+        q = c.wait("w", timeout_s=5.0)
+        assert q["target"] == N and q["state"] in ("running", "terminal") and not q.get("timed_out")
+        w = c.wait("w", until=N, timeout_s=10.0)
+        assert w["published"] == N and not w.get("timed_out")
+        assert get_and_check(c, l3_filled, "w", kv) == N
+        c.prefetch(l3_filled, "t", policy="best_effort", chunk_max_blocks=2)
+        t0 = time.monotonic()
+        late = c.wait("t", until=N + 1, timeout_s=0.05)  # more than the chain: only the deadline ends it
+        assert late.get("timed_out") or late["state"] == "terminal"
+        assert time.monotonic() - t0 < 5.0
+        c.abort("t")
+        wait_terminal(c, "t")
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_wait_for_terminal_outlasts_the_query(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "e", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        v = c.wait("e", terminal=True, timeout_s=20.0)
+        assert v["state"] == "terminal" and v["status"] == "complete" and v["prefix"] == N and not v.get("timed_out")
+        assert get_and_check(c, l3_filled, "e", kv) == N

@@ -15,7 +15,7 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   if [ -n "$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null; fi
 fi
 stamp=$V/.kvsidecar-sglang
-want=$(cat scripts/sglang/requirements.txt scripts/sglang/constraints.txt scripts/sglang/setup_venv.sh requirements-dev.txt | sha256sum | cut -d' ' -f1)
+want=$( (cat scripts/sglang/requirements.txt scripts/sglang/constraints.txt scripts/sglang/setup_venv.sh scripts/sglang/install_metadata.py pyproject.toml requirements-dev.txt; echo "$root") | sha256sum | cut -d" " -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
 [ -x $V/bin/python ] || python3 -m venv $V
 pip() { $V/bin/python -m pip "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
@@ -28,7 +28,9 @@ pip install -q torch==2.14.1 torchvision==0.29.1
 pip install -q --no-deps sglang==0.5.23
 pip install -q -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
 pip install -q msgpack posix-ipc cython pytest pytest-timeout mooncake-transfer-engine-non-cuda
-pip install -q --no-build-isolation -e .
+# kvsidecar's metadata (entry points: SGLang's sglang.srt.plugins loads connector.sglang_plugin in
+# every scheduler process) plus a .pth naming this checkout; checked in a fresh interpreter
+$V/bin/python scripts/sglang/install_metadata.py
 # SGLang JIT-compiles its page-hash extension on first use (~12 s); build it now, into .cache/
 TORCH_EXTENSIONS_DIR="$root/.cache/torch_extensions" SGLANG_CACHE_DIR="$root/.cache/sglang" \
   $V/bin/python -c "from sglang.srt.mem_cache.cpp_utils.native_hash import get_native_hash; get_native_hash()" \

@@ -33,8 +33,9 @@ from sidecar.kv.index import pack_ids
 from sidecar.l3.tier import L3Tier, read_priority
 from sidecar.observe.outcome import SessionObserver, SessionOutcome
 from sidecar.observe.sessionlog import SessionLog
-from sidecar.service import OpError, Service
+from sidecar.service import DEFERRED, OpError, Service
 from sidecar.prefetch.cost import Outlook
+from sidecar.prefetch.waits import SessionWaits, satisfied
 from sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
                       Params, Policy, Publish, Query, QueryDone, Replan, Session, Start, State, Tick)
 
@@ -112,11 +113,12 @@ class SessionManager(Service):
         # L3 master): their blocks stay STAGING until the read really ends, then they are
         # published (data landed, parent still resident) or freed.  (sid, chunk) -> Orphan
         self.orphans: dict[tuple, Orphan] = {}
+        self.waits = SessionWaits(self.sidecar, self.clock)  # deferred ``wait`` replies
         core.holders.append(self)
 
     def ops(self) -> dict:
         return {"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
-                "poll": self.op_poll}
+                "poll": self.op_poll, "wait": self.op_wait}
 
     # -- ops --------------------------------------------------------------------------------------
     def _key(self, conn, msg) -> tuple:
@@ -208,6 +210,19 @@ class SessionManager(Service):
 
         return self.core.decided(conn, "poll", msg, compute)
 
+    def op_wait(self, conn, msg):
+        """Deferred: the view once the session's L3 query is done (or ``until`` blocks are
+        published; or, with ``terminal``, only at its end), once it is terminal, or at
+        ``wait_s`` (see ``sidecar.prefetch.waits``)."""
+        rec = self.records.get(self._key(conn, msg))
+        if rec is None:
+            return {"state": "unknown"}
+        until, terminal = msg.get("until"), bool(msg.get("terminal"))
+        if satisfied(rec.machine, until, terminal):
+            return self._view(rec)
+        self.waits.add(conn, msg["id"], rec.id, until, terminal, msg.get("wait_s"), lambda: self._view(rec))
+        return DEFERRED
+
     def _view(self, rec: Record, existed: bool = False) -> dict:
         m = rec.machine
         out = {"session": rec.id, "state": m.state.value, "policy": rec.policy, "published": m.published,
@@ -272,6 +287,7 @@ class SessionManager(Service):
         if rec.machine.sealed and rec.sealed_at is None:
             rec.sealed_at = self.clock()
         self._carry_out(rec, actions)
+        self.waits.wake(rec.id, rec.machine, lambda: self._view(rec))
         if rec.machine.state == State.DRAINING and not rec.drain_timer:
             rec.drain_timer = True
             self.sidecar.call_at(self.clock() + self._drain_budget(rec), self._drain_expired, rec.id)
@@ -590,6 +606,8 @@ class SessionManager(Service):
 
     def _forget(self, sid: int) -> None:
         rec = self.by_id.pop(sid, None)
+        if rec is not None:
+            self.waits.forget(sid, lambda: self._view(rec))
         if rec is not None and self.records.get(rec.key) is rec:
             del self.records[rec.key]
 

@@ -196,6 +196,10 @@ FIELD = {
     "checkpoints": st.lists(small_ints | big_ints | st.just(2**64 - 1), max_size=30)
     | st.builds(Blob, i(100, MAX_BLOCKS), st.just("ints"), i(0, 9)),
     "checkpoint_every": st.sampled_from([0, 1, 2, 3, 7, MAX_ID]),
+    # the deferred session wait: short deadlines (the fuzzing client waits for every reply)
+    "until": st.sampled_from([0, 1, 3, 100, MAX_ID]),
+    "terminal": st.booleans(),
+    "wait_s": st.sampled_from([0, 0.0, 1e-4, 0.001, 0.02]),
 }
 FUZZ_OPS = sorted(op for op in P.OP_SCHEMAS if op != "detach")  # a detach would end the fuzzing client
 # the ops that touch state, twice as often

@@ -7,7 +7,9 @@ Three stand-ins outside the L2<->L3 path live in ``server_standins/`` (see its s
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 import os
 import signal
 import subprocess
@@ -23,6 +25,8 @@ pytest.importorskip("sglang")
 from sidecar import inspector  # noqa: E402
 from sidecar.l3.master import free_port  # noqa: E402
 from sidecar.spawn import SidecarProcess  # noqa: E402
+from connector.kv_client import KVConnector  # noqa: E402
+from shm.layout import KVLayout  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -44,68 +48,121 @@ def http(port, path, body=None, method="POST", timeout=120):
         return raw.decode()
 
 
-def generate(port, ids):
-    out = http(port, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+def generate(port, ids, rid=None):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    if rid is not None:
+        body["rid"] = rid
+    out = http(port, "/generate", body)
     return out["output_ids"], out["meta_info"]
 
 
-@pytest.fixture
-def server(instance, tmp_path):
+def storage_tokens(meta) -> int:
+    return (meta.get("cached_tokens_details") or {}).get("storage", 0)
+
+
+def sidecar_overrides(tmp_path, **extra) -> dict:
+    """One TP group for both ranks: a tp_size=2 layout whose shard r is one host page of rank r."""
     cfg = json.loads((HERE / "tiny_llama" / "config.json").read_text())
-    heads = cfg["num_key_value_heads"] // TP
-    over = {"layout.model": "tiny", "layout.num_layers": cfg["num_hidden_layers"], "layout.num_kv_heads": heads,
-            "layout.head_dim": cfg["hidden_size"] // cfg["num_attention_heads"], "layout.dtype": "bfloat16",
-            "layout.tokens_per_block": PAGE, "pool.num_blocks": 2048, "l3.file_dir": str(tmp_path / "l3")}
-    sc = SidecarProcess(instance, overrides=over)
+    d = {"layout.model": "tiny", "layout.num_layers": cfg["num_hidden_layers"],
+         "layout.num_kv_heads": cfg["num_key_value_heads"], "layout.tp_size": TP,
+         "layout.head_dim": cfg["hidden_size"] // cfg["num_attention_heads"], "layout.dtype": "bfloat16",
+         "layout.tokens_per_block": PAGE, "pool.num_blocks": 2048, "l3.file_dir": str(tmp_path / "l3")}
+    d.update(extra)
+    return d
+
+
+def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
+    """The sidecar and ``sglang.launch_server --device cpu`` (TP=2, HiCache, kvsidecar storage,
+    SGLang's ``wait_complete``); with ``plugin`` the kvsidecar radix cache (``--radix-cache-backend
+    kvsidecar``); without it SGLang does not load the plugin (``SGLANG_PLUGINS``) and kvsidecar runs
+    with sessions disabled."""
+    sc = SidecarProcess(instance, overrides=sidecar_over)
     port = free_port()
+    plugin_cfg = tmp_path / "kvsidecar-sglang.toml"
+    plugin_cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.2\n'
+                          f'[sessions]\nenabled = {"true" if plugin else "false"}\npolicy = "timeout"\n'
+                          'chunk_max_blocks = 2\nget_wait_s = 20.0\n')
     env = dict(os.environ, PYTHONPATH=f"{HERE / 'server_standins'}:{ROOT}", SGLANG_USE_CPU_ENGINE="1",
                SGLANG_CPU_OMP_THREADS_BIND="0|1", MC_TCP_BIND_ADDRESS="127.0.0.1",
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
-               SGLANG_CACHE_DIR=str(ROOT / ".cache" / "sglang"), TMPDIR=str(tmp_path))
+               SGLANG_CACHE_DIR=str(ROOT / ".cache" / "sglang"), TMPDIR=str(tmp_path),
+               SGLANG_PLUGINS="kvsidecar" if plugin else "none-of-them")
     extra = {"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
-             "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "instance": instance, "model": "tiny",
-             "l3": True, "timeout_s": 1.0}
-    log = open(tmp_path / "server.log", "wb")
+             "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "config_file": str(plugin_cfg)}
+    args = [str(ROOT / ".sglang-venv" / "bin" / "python"), "-m", "sglang.launch_server",
+            "--model-path", str(HERE / "tiny_llama"), "--device", "cpu", "--load-format", "dummy",
+            "--skip-tokenizer-init", "--tp", str(TP), "--port", str(port), "--host", "127.0.0.1",
+            "--page-size", str(PAGE), "--max-total-tokens", "8192", "--enable-hierarchical-cache",
+            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+            "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra)]
+    # SGLang waits for its storage transfer in both (its best_effort would race a blocking restore)
+    args += ["--hicache-storage-prefetch-policy", "wait_complete"]
+    if plugin:
+        args += ["--radix-cache-backend", "kvsidecar"]
+    log_path = tmp_path / "server.log"
+    log = open(log_path, "wb")
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [str(ROOT / ".sglang-venv" / "bin" / "python"), "-m", "sglang.launch_server",
-         "--model-path", str(HERE / "tiny_llama"), "--device", "cpu", "--load-format", "dummy",
-         "--skip-tokenizer-init", "--tp", str(TP), "--port", str(port), "--host", "127.0.0.1",
-         "--page-size", str(PAGE), "--max-total-tokens", "8192", "--enable-hierarchical-cache",
-         "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-         "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT))
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=str(ROOT))
     try:
         deadline = time.monotonic() + 300
         while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             try:
                 http(port, "/health", method="GET", timeout=2)
                 break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 assert time.monotonic() < deadline, "server did not come up"
                 time.sleep(1)
-        startup = time.monotonic() - t0
-        yield port, sc, startup, tmp_path / "server.log"
-    finally:
+    except BaseException:
+        stop_server(proc, log, sc, instance)
+        raise
+    return Server(proc, log, sc, port, time.monotonic() - t0, log_path)
+
+
+@dataclasses.dataclass
+class Server:
+    proc: subprocess.Popen
+    log: object
+    sc: SidecarProcess  # the current sidecar (a test may replace it)
+    port: int
+    startup_s: float
+    log_path: Path
+
+
+def stop_server(proc, log, sc, instance) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+    log.close()
+    sc.stop()
+    for name in os.listdir("/dev/shm"):  # a killed sidecar's segments, and SGLang's own leftovers
+        if name.startswith(instance) or (name.startswith(("sglang", "sgl_", "psm_"))
+                                         and os.stat(f"/dev/shm/{name}").st_uid == os.getuid()):
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                os.unlink(f"/dev/shm/{name}")
+            except OSError:
                 pass
-            proc.wait(10)
-        log.close()
-        sc.stop()
-        for name in os.listdir("/dev/shm"):  # the killed sidecar's segments, and SGLang's own leftovers
-            if name.startswith(instance) or (name.startswith(("sglang", "sgl_", "psm_"))
-                                             and os.stat(f"/dev/shm/{name}").st_uid == os.getuid()):
-                try:
-                    os.unlink(f"/dev/shm/{name}")
-                except OSError:
-                    pass
+
+
+@pytest.fixture
+def server_factory(instance, tmp_path):
+    started = []
+
+    def start(sidecar_over: dict, plugin: bool):
+        s = start_server(instance, tmp_path, sidecar_over, plugin=plugin)
+        started.append(s)
+        return s
+
+    yield start
+    for srv in started:
+        stop_server(srv.proc, srv.log, srv.sc, instance)
 
 
 def flush(port):
@@ -137,38 +194,147 @@ def wait_published(instance, at_least: int, timeout_s: float, what: str) -> int:
         time.sleep(0.1)
 
 
-def test_full_server_tp2_serves_cached_tokens_from_kvsidecar(server, instance):
-    port, sidecar, startup, log_path = server
+
+
+GROUP = f"sglang:tiny:tp{TP}:pp0:dp0"  # the servers' TP group in the sidecar (both ranks)
+SLOW_L3 = {"l3.latency_ms": 80.0}  # per read call: 2-page chunks, 40 pages ~ 1.6 s
+SHORT = {"sessions.timeout_base_s": 0.2, "sessions.timeout_per_ki_token_s": 0.0, "sessions.timeout_max_s": 0.2}
+LONG = {"sessions.timeout_base_s": 30.0, "sessions.timeout_per_ki_token_s": 0.0, "sessions.timeout_max_s": 30.0}
+
+
+def probe(instance, over) -> KVConnector:
+    """A client of the servers' group (rank 0's layout): polls sessions by SGLang's rid, reads the books."""
+    lay = KVLayout(**{k.split(".", 1)[1]: v for k, v in over.items() if k.startswith("layout.")})
+    c = KVConnector(instance, lay, rank=0, group=GROUP, populate="off")
+    c.attach()
+    return c
+
+
+def wait_until(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_full_server_plugin_drives_sessions(server_factory, instance, tmp_path):
     import random
 
+    over = sidecar_overrides(tmp_path, **SLOW_L3, **SHORT)
+    srv = server_factory(over, plugin=True)
+    port = srv.port
+    log_text = srv.log_path.read_text()
+    assert log_text.count("kvsidecar plugin active") == TP, log_text[-3000:]  # each rank checked its set-up
     rng = random.Random(1)
     warm = [rng.randrange(3, 500) for _ in range(64)]
     generate(port, warm)
-    # The warm prompt's pages reach the sidecar from both ranks' backup threads, which hash them
-    # first: that builds SGLang's native page hash (a JIT compile of seconds) in every rank.
-    # Once they have landed, nothing is warming up any more.
     t_warm = time.monotonic()
-    base = wait_published(instance, TP * (len(warm) // PAGE), 240, "the warm prompt's write-through")
+    base = wait_published(instance, len(warm) // PAGE, 240, "the warm prompt's write-through")
     t_warm = time.monotonic() - t_warm
+    ids = [rng.randrange(3, 500) for _ in range(640)]
+    first, meta1 = generate(port, ids)  # the cold run
+    written = wait_published(instance, base + len(ids) // PAGE, 60, "the prompt's write-through")
+    c = probe(instance, over)
+    timings = {}
+    try:
+        # short kvsidecar budget: SGLang takes exactly the session's drained prefix
+        flush(port)
+        c.flush()  # restores come from the (slow) L3
+        t0 = time.monotonic()
+        out, meta = generate(port, ids, rid="short-1")
+        timings["short_s"] = time.monotonic() - t0
+        v = c.wait("short-1", terminal=True, timeout_s=10.0)
+        assert v["state"] == "terminal" and v["status"] == "timeout" and 0 < v["prefix"] < v["target"], v
+        assert storage_tokens(meta) == v["prefix"] * PAGE, (meta, v)
+        assert out == first
+        short_view = v
+        # a long budget (a sidecar restarted with it; the ranks re-attach): all of it
+        c.close()
+        srv.sc.stop()
+        srv.sc = SidecarProcess(instance, overrides=sidecar_overrides(tmp_path, **SLOW_L3, **LONG))
+        c = probe(instance, over)
+        flush(port)
+        t0 = time.monotonic()
+        out, meta = generate(port, ids, rid="long-1")
+        timings["long_s"] = time.monotonic() - t0
+        v = c.wait("long-1", terminal=True, timeout_s=10.0)
+        assert v["state"] == "terminal" and v["status"] == "complete" and v["prefix"] == v["target"], v
+        assert storage_tokens(meta) == v["prefix"] * PAGE and v["prefix"] >= len(ids) // PAGE - 1, (meta, v)
+        assert out == first
+        long_view = v
+        # /abort_request while the request is queued (waiting on its prefetch): no lease left
+        flush(port)
+        c.flush()
+        done = {}
+        th = threading.Thread(target=lambda: done.update(r=http(port, "/generate", {
+            "input_ids": ids, "rid": "abort-1", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})))
+        th.start()
+        wait_until(lambda: c.poll("abort-1")["state"] == "running", 30, "the queued request's session never ran")
+        http(port, "/abort_request", {"rid": "abort-1"})
+        th.join(60)
+        assert not th.is_alive()
+        v = c.wait("abort-1", terminal=True, timeout_s=10.0)
+        assert v["state"] == "terminal" and v["status"] == "aborted" and v["prefix"] < v["target"], v
+        books = wait_until(lambda: (lambda s: s if s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+                                    and s["pool"]["staging"] == 0 else None)(c.stats()), 30,
+                           "leases, pins or staging left after the abort")
+        abort_view = v
+        sessions = books["sessions"]
+        # the sidecar dies mid-run: the server keeps serving (misses, recompute)
+        c.close()
+        other = [rng.randrange(3, 500) for _ in range(320)]
+        res = {}
+        th = threading.Thread(target=lambda: res.update(r=generate(port, other)))
+        th.start()
+        srv.sc.kill()
+        th.join(120)
+        assert not th.is_alive() and len(res["r"][0]) == 8
+        third, _ = generate(port, [rng.randrange(3, 500) for _ in range(200)])
+        assert len(third) == 8
+        flush(port)
+        again, _ = generate(port, ids)
+        assert again == first
+    finally:
+        c.close()
+    print(f"\nfull-server plugin test: startup {srv.startup_s:.1f} s, warm-up write-through {t_warm:.1f} s "
+          f"({base} blocks), prompt {len(ids)} tokens ({written - base} blocks written through); "
+          f"short budget: storage {short_view['prefix'] * PAGE} tokens = prefix {short_view['prefix']} of "
+          f"{short_view['target']} in {timings['short_s']:.2f} s; long budget: {long_view['prefix']} of "
+          f"{long_view['target']} in {timings['long_s']:.2f} s; abort: prefix {abort_view['prefix']}, "
+          f"sessions {sessions}")
+
+
+def test_full_server_plugin_disabled_starts_no_session(server_factory, instance, tmp_path):
+    import random
+
+    over = sidecar_overrides(tmp_path)
+    srv = server_factory(over, plugin=False)
+    port = srv.port
+    assert "kvsidecar plugin active" not in srv.log_path.read_text()
+    rng = random.Random(2)
+    warm = [rng.randrange(3, 500) for _ in range(64)]
+    generate(port, warm)
+    base = wait_published(instance, len(warm) // PAGE, 240, "the warm prompt's write-through")
     ids = [rng.randrange(3, 500) for _ in range(320)]
-    t0 = time.monotonic()
-    first, meta1 = generate(port, ids)
-    # write-through to the storage backend is asynchronous: every full page of the prompt, from
-    # every rank, is in the sidecar before the flush
-    written = wait_published(instance, base + TP * (len(ids) // PAGE), 60, "the prompt's write-through")
-    flush(port)
-    second, meta2 = generate(port, ids)
-    storage = (meta2.get("cached_tokens_details") or {}).get("storage", 0)
-    assert second == first, (first, second)
-    assert storage >= 256, meta2  # 320 tokens: at least 16 of the 20 full pages came from kvsidecar
-    assert (meta2.get("cached_tokens_details") or {}).get("storage_backend") == "KvSidecarHiCacheStorage"
-    # the sidecar dies mid-run: the server keeps serving (misses, recompute)
-    sidecar.kill()
-    third, meta3 = generate(port, [rng.randrange(3, 500) for _ in range(200)])
-    assert len(third) == 8
-    flush(port)
-    again, _ = generate(port, ids)
-    assert again == first
-    print(f"\nfull-server test: startup {startup:.1f} s, warm-up write-through {t_warm:.1f} s "
-          f"({base} blocks), round trip {time.monotonic() - t0:.1f} s ({written - base} blocks written through), "
-          f"storage cached_tokens {storage}")
+    first, _ = generate(port, ids)
+    wait_published(instance, base + len(ids) // PAGE, 60, "the prompt's write-through")
+    c = probe(instance, over)
+    try:
+        flush(port)
+        c.flush()
+        second, meta = generate(port, ids)
+        assert second == first
+        st = c.stats()
+        # Without sessions each rank restores on its own: when both restore the chain at once, the
+        # rank that finds it staging by the other answers short and SGLang's MIN drops the hit
+        # (recompute, never wrong).  Sessions answer every rank alike; here only zero sessions count.
+        assert st["counters"].get("op_restore", 0) >= TP, sorted(st["counters"].items())  # the legacy path ran
+        s = st["sessions"]
+        assert not any(v for k, v in s.items() if k.startswith("started_")), s  # zero sessions
+    finally:
+        c.close()
+    print(f"\nfull-server, plugin disabled: startup {srv.startup_s:.1f} s, storage {storage_tokens(meta)} tokens, "
+          f"no session started")

@@ -1,0 +1,191 @@
+"""The SGLang plugin: SGLang's request lifecycle drives kvsidecar's prefetch sessions.
+
+Loaded by SGLang 0.5.23 in every scheduler process through the ``sglang.srt.plugins`` entry
+point ``kvsidecar = connector.sglang_plugin:load`` (installed with kvsidecar's metadata;
+``scripts/sglang/setup_venv.sh``).  ``load`` does two things:
+
+1. **Public extension point**: registers the radix-cache backend ``kvsidecar``
+   (``mem_cache/registry.py::register_radix_cache_backend``, selected with
+   ``--radix-cache-backend kvsidecar``) -- SGLang's own ``UnifiedRadixCache`` built by
+   SGLang's own ``create_unified_radix_cache``, subclassed the way SGLang's LMCache
+   integration does, overriding the public lifecycle methods:
+
+   ======================================================  ==================================
+   SGLang event                                             kvsidecar op
+   ======================================================  ==================================
+   queue entry -> prefetch thread ``batch_exists``          ``prefetch`` (rid, full chain,
+   (whole tail chain)                                       policy / chunk / budget) + ``wait``
+                                                            for the L3 query (metadata only)
+   I/O thread ``batch_get_v1`` (per 128-page batch)         ``wait`` (published >= batch end
+                                                            or stopped) + group ``get`` (hands
+                                                            the prefetch lease over) + copy
+   first ``check_prefetch_progress``                        ``demand``
+   ``check_prefetch_progress`` done                         ``abort`` (clean-up: drops what
+                                                            the session still holds)
+   ``release_aborted_request`` (incl. terminate)            ``abort``
+   ``revoke_pending_prefetch``                              ``abort``
+   backup thread ``batch_set_v1``                           group ``store`` + ``commit``
+   ======================================================  ==================================
+
+2. **Hooks where the public points do not suffice**: SGLang's storage calls carry no request
+   identity (``batch_exists`` / ``batch_get_v1`` get page keys only), so two AROUND hooks
+   (``HookRegistry``) on ``HybridCacheController._storage_hit_query`` and ``._page_transfer``
+   bind the operation's ``rid`` / attempt to the calling thread for the duration of the call
+   (:meth:`KvSidecarHiCacheStorage.bind`).  They do nothing for another storage backend, or
+   when the radix cache is not kvsidecar's.
+
+SGLang must run ``--hicache-storage-prefetch-policy wait_complete``: kvsidecar's policy decides
+when a prefetch stops and SGLang then takes exactly the drained prefix.  SGLang's own
+``best_effort`` / ``timeout`` would terminate the transfer between batches and discard what
+kvsidecar drained, so the cache refuses them at start (:class:`KvSidecarPluginError`).  At start
+the cache checks that the storage backend is kvsidecar's and both hooks are applied, and logs
+it.  Without the plugin the storage backend still works alone (degraded: sessions without
+demand or abort, stopped by kvsidecar's deadline).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from .hicache_backend import KvSidecarHiCacheStorage
+
+log = logging.getLogger(__name__)
+
+RADIX_CACHE_BACKEND = "kvsidecar"
+CONTROLLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+HOOKED_METHODS = ("_storage_hit_query", "_page_transfer")
+REQUIRED_PREFETCH_POLICY = "wait_complete"
+
+_originals: dict[str, object] = {}  # hooked method -> SGLang's own function (to check the hooks took)
+
+
+class KvSidecarPluginError(RuntimeError):
+    """SGLang is configured in a way the kvsidecar plugin cannot serve (raised at start)."""
+
+
+# -- the hooks ------------------------------------------------------------------------------------
+def _driven_backend(controller) -> KvSidecarHiCacheStorage | None:
+    backend = getattr(controller, "storage_backend", None)
+    if isinstance(backend, KvSidecarHiCacheStorage) and backend.plugin_driven:
+        return backend
+    return None
+
+
+def _bound_call(original, controller, operation, *args, **kwargs):
+    """AROUND hook: the storage calls ``original`` makes belong to ``operation``'s request."""
+    backend = _driven_backend(controller)
+    if backend is None:
+        return original(controller, operation, *args, **kwargs)
+    handle = operation.handle
+    with backend.bind(handle.rid, getattr(handle, "attempt_id", 0)):
+        return original(controller, operation, *args, **kwargs)
+
+
+def hooks_applied() -> dict[str, bool]:
+    """Which of the plugin's hooks are in place on SGLang's controller class."""
+    import pkgutil
+
+    cls = pkgutil.resolve_name(CONTROLLER)
+    return {m: m in _originals and cls.__dict__.get(m) is not _originals[m] for m in HOOKED_METHODS}
+
+
+# -- the radix cache ------------------------------------------------------------------------------
+@functools.cache
+def radix_cache_class():
+    """``UnifiedRadixCache`` with kvsidecar's lifecycle (built lazily: imports SGLang)."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    class KvSidecarRadixCache(UnifiedRadixCache):
+        _kvs: KvSidecarHiCacheStorage | None = None
+
+        def init_hicache(self, server_args, params) -> None:
+            super().init_hicache(server_args, params)
+            self._kvs = activate(self.cache_controller, self.prefetch_stop_policy)
+            self._kvs_demanded: set = set()
+
+        def check_prefetch_progress(self, request) -> bool:
+            kvs = self._kvs
+            live = kvs is not None and request in self.ongoing_prefetch
+            if live and request not in self._kvs_demanded:
+                self._kvs_demanded.add(request)
+                kvs.demand(request.rid, request.attempt_id)
+            done = super().check_prefetch_progress(request)
+            if live and done:
+                self._kvs_demanded.discard(request)
+                kvs.end(request.rid, request.attempt_id)
+            return done
+
+        def release_aborted_request(self, request) -> None:
+            live = self._kvs is not None and request in self.ongoing_prefetch
+            super().release_aborted_request(request)
+            if live:
+                self._kvs_demanded.discard(request)
+                self._kvs.end(request.rid, request.attempt_id)
+
+        def revoke_pending_prefetch(self, request) -> None:
+            live = self._kvs is not None and request in self.ongoing_prefetch
+            super().revoke_pending_prefetch(request)
+            if live:
+                self._kvs_demanded.discard(request)
+                self._kvs.end(request.rid, request.attempt_id)
+
+    return KvSidecarRadixCache
+
+
+def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
+    """Check at start that everything the plugin needs is in place; mark the backend driven.
+
+    Raises :class:`KvSidecarPluginError` naming what is missing or refused."""
+    backend = getattr(controller, "storage_backend", None) if controller is not None else None
+    if not isinstance(backend, KvSidecarHiCacheStorage):
+        raise KvSidecarPluginError(
+            f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs --enable-hierarchical-cache with kvsidecar as "
+            "the storage backend (--hicache-storage-backend dynamic, module_path connector.hicache_backend, "
+            f"class_name KvSidecarHiCacheStorage); got {type(backend).__name__}")
+    if prefetch_stop_policy != REQUIRED_PREFETCH_POLICY:
+        raise KvSidecarPluginError(
+            f"--hicache-storage-prefetch-policy {prefetch_stop_policy} would terminate SGLang's transfer "
+            "between batches and discard the prefix kvsidecar drained; run "
+            f"--hicache-storage-prefetch-policy {REQUIRED_PREFETCH_POLICY} and choose the stop policy in "
+            "kvsidecar's config (sessions.policy)")
+    missing = [m for m, ok in hooks_applied().items() if not ok]
+    if missing:
+        raise KvSidecarPluginError(f"kvsidecar plugin hooks not applied on {CONTROLLER}: {missing} "
+                                   "(is the sglang.srt.plugins entry point installed? SGLANG_PLUGINS?)")
+    backend.plugin_driven = True
+    s = backend.config.sessions
+    log.info("kvsidecar plugin active (rank %d/%d, group %r): radix cache %s, hooks %s applied, SGLang policy "
+             "%s, kvsidecar policy %s, chunk_max_blocks %s, budget %s", backend.rank, backend.tp_size, backend.group,
+             RADIX_CACHE_BACKEND, "+".join(HOOKED_METHODS), prefetch_stop_policy, s.policy,
+             s.chunk_max_blocks or "sidecar default", s.budget_s or "sidecar formula")
+    return backend
+
+
+def _factory(ctx):
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    if not ctx.enable_hierarchical_cache:
+        raise KvSidecarPluginError(f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs --enable-hierarchical-cache "
+                                   "(and kvsidecar as the HiCache storage backend)")
+    return create_unified_radix_cache(ctx, cache_class=radix_cache_class())
+
+
+# -- the entry point ------------------------------------------------------------------------------
+def load() -> None:
+    """``sglang.srt.plugins`` entry point: register the radix-cache backend and the hooks."""
+    import pkgutil
+
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if RADIX_CACHE_BACKEND not in registered_radix_cache_backends():
+        register_radix_cache_backend(RADIX_CACHE_BACKEND, _factory)
+    cls = pkgutil.resolve_name(CONTROLLER)
+    for m in HOOKED_METHODS:
+        if m in _originals:
+            continue  # idempotent
+        _originals[m] = cls.__dict__[m]
+        HookRegistry.register(f"{CONTROLLER}.{m}", _bound_call, HookType.AROUND)
+    log.info("kvsidecar plugin loaded: radix-cache backend %r registered, hooks on %s", RADIX_CACHE_BACKEND,
+             ", ".join(f"{CONTROLLER.rsplit('.', 1)[1]}.{m}" for m in HOOKED_METHODS))
