@@ -20,7 +20,6 @@ One session per (group, request, attempt); any rank may send ``prefetch``, ``dem
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import time
@@ -35,58 +34,13 @@ from sidecar.observe.outcome import SessionObserver, SessionOutcome
 from sidecar.observe.sessionlog import SessionLog
 from sidecar.service import DEFERRED, OpError, Service
 from sidecar.prefetch.cost import Outlook
+from sidecar.prefetch.estimates import drain_budget, outlook
+from sidecar.prefetch.records import ChunkIO, Orphan, Record
 from sidecar.prefetch.waits import SessionWaits, satisfied
 from sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
                       Params, Policy, Publish, Query, QueryDone, Replan, Session, Start, State, Tick)
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class ChunkIO:
-    start: int
-    count: int
-    kinds: list  # per position: "have" | "shared" | "own"
-    own_blocks: dict  # position -> staging block
-    shared_ok: dict  # position -> None (waiting) | bool
-    read_ok: dict | None = None  # position -> bool once our read completed
-    reading: bool = False
-    job: object = None  # the read lane job (cancellable until it starts)
-    t0: float = 0.0  # when the claim was carried out (chunk time = claim -> data landed)
-
-
-@dataclasses.dataclass
-class Orphan:
-    chain: bytes
-    io: ChunkIO
-
-
-@dataclasses.dataclass
-class Record:
-    id: int
-    key: tuple  # (group, req, attempt)
-    machine: Session
-    chain: bytes
-    ns: str
-    policy: str
-    created: float
-    pins: dict  # position -> block pinned by this session
-    chunks: dict = dataclasses.field(default_factory=dict)
-    result_lease: object = None
-    trigger_at: float | None = None
-    trigger: str = ""  # what stopped it first: demand | deadline | abort
-    sealed_at: float | None = None
-    terminal_at: float | None = None
-    chunk_times: list = dataclasses.field(default_factory=list)  # claim -> data landed (incl. lane queue)
-    transfer_times: list = dataclasses.field(default_factory=list)  # the L3 read itself
-    restored: int = 0
-    demanded: bool = False  # a scheduling candidate: its reads go ahead of queued requests'
-    drain_timer: bool = False  # a drain deadline is armed
-    abandoned: int = 0  # chunks whose read was still in flight when the drain budget ran out
-    eta: float | None = None  # cost_aware: when the engine expects to start its prefill (None: now)
-    prefill_s_per_block: float = 0.0  # cost_aware: the engine's prefill cost of one block
-    withdrawn: int = 0  # blocks of queued reads withdrawn at the seal
-    read_s_per_block: list = dataclasses.field(default_factory=list)  # per completed L3 read
 
 
 class SessionManager(Service):
@@ -239,19 +193,7 @@ class SessionManager(Service):
 
     # -- event plumbing ---------------------------------------------------------------------------
     def _outlook(self, rec: Record, now: float) -> Outlook | None:
-        """cost_aware's inputs now: the engine's ETA and prefill cost, this L3's read cost and
-        the read-lane backlog ahead of the session's next chunk (None for other policies)."""
-        if rec.policy != Policy.COST_AWARE.value:
-            return None
-        c = self.cfg
-        eta = now if rec.eta is None else rec.eta
-        if self.tier is None:
-            return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=c.load_s_per_block)
-        look = self.tier.read_outlook(read_priority(rec.demanded, rec.id))
-        est = look.estimate
-        probe = c.probe_blocks if est.samples == 0 and look.backlog_s == 0 else 0
-        return Outlook(eta, rec.prefill_s_per_block, est.latency_s, est.s_per_block, look.backlog_s,
-                       c.load_s_per_block, probe)
+        return outlook(rec, now, self.tier, self.cfg)
 
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
@@ -293,19 +235,7 @@ class SessionManager(Service):
             self.sidecar.call_at(self.clock() + self._drain_budget(rec), self._drain_expired, rec.id)
 
     def _drain_budget(self, rec: Record) -> float:
-        """How long a stopped session waits for its reads in flight.
-
-        ``drain_floor_s + drain_slack x`` the expected time of the blocks still being read
-        (from the tier's running per-block estimate), capped at ``drain_timeout_s`` (also the
-        budget while no read has completed yet).  A healthy read always fits; a read stuck
-        behind a dead master (seconds) does not, and the session hands over what landed.
-        """
-        c = self.cfg
-        per_block = self.tier.read_s_per_block if self.tier is not None else None
-        if per_block is None:
-            return c.drain_timeout_s
-        blocks = sum(len(io.own_blocks) for io in rec.chunks.values() if io.read_ok is None)
-        return min(c.drain_timeout_s, c.drain_floor_s + c.drain_slack * per_block * blocks)
+        return drain_budget(rec, self.tier, self.cfg)
 
     def _drain_expired(self, sid: int) -> None:
         """The drain budget ran out: stop waiting on reads still in flight (they become orphans)."""

@@ -1,0 +1,42 @@
+"""What the executor derives from the L3 tier's estimates and the config, per session: the
+``cost_aware`` policy's inputs (an :class:`Outlook`) and a stopped session's drain budget.
+
+Pure functions of (record, tier, config) on the control thread; no state of their own.
+"""
+
+from __future__ import annotations
+
+from sidecar.l3.tier import read_priority
+from sidecar.prefetch.cost import Outlook
+from sidecar.prefetch.machine import Policy
+from sidecar.prefetch.records import Record
+
+
+def outlook(rec: Record, now: float, tier, cfg) -> Outlook | None:
+    """cost_aware's inputs now: the engine's ETA and prefill cost, this L3's read cost and
+    the read-lane backlog ahead of the session's next chunk (None for other policies)."""
+    if rec.policy != Policy.COST_AWARE.value:
+        return None
+    eta = now if rec.eta is None else rec.eta
+    if tier is None:
+        return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=cfg.load_s_per_block)
+    look = tier.read_outlook(read_priority(rec.demanded, rec.id))
+    est = look.estimate
+    probe = cfg.probe_blocks if est.samples == 0 and look.backlog_s == 0 else 0
+    return Outlook(eta, rec.prefill_s_per_block, est.latency_s, est.s_per_block, look.backlog_s,
+                   cfg.load_s_per_block, probe)
+
+
+def drain_budget(rec: Record, tier, cfg) -> float:
+    """How long a stopped session waits for its reads in flight.
+
+    ``drain_floor_s + drain_slack x`` the expected time of the blocks still being read
+    (from the tier's running per-block estimate), capped at ``drain_timeout_s`` (also the
+    budget while no read has completed yet).  A healthy read always fits; a read stuck
+    behind a dead master (seconds) does not, and the session hands over what landed.
+    """
+    per_block = tier.read_s_per_block if tier is not None else None
+    if per_block is None:
+        return cfg.drain_timeout_s
+    blocks = sum(len(io.own_blocks) for io in rec.chunks.values() if io.read_ok is None)
+    return min(cfg.drain_timeout_s, cfg.drain_floor_s + cfg.drain_slack * per_block * blocks)
