@@ -5,6 +5,15 @@ from __future__ import annotations
 import time
 
 
+def file_l3_overrides(tmp_path, lay, num_blocks: int, **extra) -> dict:
+    """Sidecar ``--set`` overrides: ``lay``'s layout, a ``num_blocks`` pool, a file-store L3 under
+    ``tmp_path`` (plus ``extra``)."""
+    d = {f"layout.{k}": v for k, v in lay.as_dict().items()}
+    d.update({"pool.num_blocks": num_blocks, "l3.file_dir": str(tmp_path / "l3")})
+    d.update(extra)
+    return d
+
+
 def wait_l3_idle(conn, timeout_s: float = 20.0) -> dict:
     """Wait (bounded) until the sidecar has no L3 PUT in flight; returns the last stats."""
     deadline = time.monotonic() + timeout_s

@@ -18,7 +18,7 @@ from connector.kv_client import KVConnector
 from shm.layout import KVLayout
 from sidecar import inspector
 
-from .helpers import store_to_l3
+from .helpers import file_l3_overrides, store_to_l3
 
 ROOT = Path(__file__).resolve().parent.parent
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
@@ -27,10 +27,7 @@ TOKENS = list(range(4 * N))
 
 
 def overrides(tmp_path, **extra):
-    d = {f"layout.{k}": v for k, v in LAY.as_dict().items()}
-    d.update({"pool.num_blocks": 160, "l3.file_dir": str(tmp_path / "l3")})
-    d.update(extra)
-    return d
+    return file_l3_overrides(tmp_path, LAY, 160, **extra)
 
 
 @pytest.fixture

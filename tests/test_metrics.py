@@ -18,7 +18,7 @@ from shm.errors import RemoteError
 from shm.layout import KVLayout
 from sidecar import inspector
 
-from .helpers import store_to_l3, wait_terminal
+from .helpers import file_l3_overrides, store_to_l3, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48
@@ -57,10 +57,7 @@ def metrics_port(instance: str, timeout_s: float = 20.0) -> int:
 
 
 def overrides(tmp_path, **extra):
-    d = {f"layout.{k}": v for k, v in LAY.as_dict().items()}
-    d.update({"pool.num_blocks": 160, "l3.file_dir": str(tmp_path / "l3")})
-    d.update(extra)
-    return d
+    return file_l3_overrides(tmp_path, LAY, 160, **extra)
 
 
 def test_metrics_are_off_by_default(sidecar, instance):

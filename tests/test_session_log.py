@@ -13,7 +13,7 @@ from sidecar.observe.outcome import SessionOutcome
 from sidecar.observe.sessionlog import format_line, parse_line
 from sidecar.spawn import SidecarProcess
 
-from .helpers import store_to_l3, wait_terminal
+from .helpers import file_l3_overrides, store_to_l3, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48
@@ -24,10 +24,7 @@ FIELDS = ["session", "request", "group", "policy", "status", "reason", "trigger"
 
 
 def overrides(tmp_path, **extra):
-    d = {f"layout.{k}": v for k, v in LAY.as_dict().items()}
-    d.update({"pool.num_blocks": 160, "l3.file_dir": str(tmp_path / "l3")})
-    d.update(extra)
-    return d
+    return file_l3_overrides(tmp_path, LAY, 160, **extra)
 
 
 def test_format_and_parse_round_trip_with_awkward_values():

@@ -11,7 +11,7 @@ from connector.kv_client import KVConnector
 from shm.errors import ErrorCode, RemoteError
 from shm.layout import KVLayout
 
-from .helpers import store_to_l3, wait_l3_idle, wait_terminal
+from .helpers import file_l3_overrides, store_to_l3, wait_l3_idle, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48  # blocks in the test chain
@@ -19,10 +19,7 @@ TOKENS = list(range(4 * N))
 
 
 def overrides(tmp_path, **extra):
-    d = {f"layout.{k}": v for k, v in LAY.as_dict().items()}
-    d.update({"pool.num_blocks": 160, "l3.file_dir": str(tmp_path / "l3")})
-    d.update(extra)
-    return d
+    return file_l3_overrides(tmp_path, LAY, 160, **extra)
 
 
 @pytest.fixture

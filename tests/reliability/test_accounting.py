@@ -12,7 +12,7 @@ from connector.kv_client import KVConnector
 from shm.layout import KVLayout
 
 from .. import procs
-from ..helpers import store_to_l3, wait_terminal
+from ..helpers import file_l3_overrides, store_to_l3, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 24
@@ -20,10 +20,7 @@ TOKENS = list(range(4 * N))
 
 
 def overrides(tmp_path, lay=LAY, **extra):
-    d = {f"layout.{k}": v for k, v in lay.as_dict().items()}
-    d.update({"pool.num_blocks": 96, "l3.file_dir": str(tmp_path / "l3")})
-    d.update(extra)
-    return d
+    return file_l3_overrides(tmp_path, lay, 96, **extra)
 
 
 @pytest.fixture
