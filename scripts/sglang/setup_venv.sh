@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SGLang test environment, kept apart from the project's main .venv:
 # .sglang-venv with sglang==0.5.23 (no deps: its metadata pins CUDA-only packages), torch 2.14.1 +
-# torchvision 0.29.1, the runtime deps SGLang really imports, and kvsidecar itself.
+# torchvision 0.29.1, the runtime deps SGLang really imports, and kvsidecar itself (with its own
+# runtime deps: the tests start sidecars under this interpreter).
 # Idempotent; caches stay inside the work tree (.cache/), TMPDIR is private.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,7 +28,7 @@ rm -rf "$site/torchvision"  # an earlier import-only stand-in, if any
 pip install -q torch==2.14.1 torchvision==0.29.1
 pip install -q --no-deps sglang==0.5.23
 pip install -q -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
-pip install -q msgpack posix-ipc cython pytest pytest-timeout mooncake-transfer-engine-non-cuda
+pip install -q msgpack posix-ipc cython pytest pytest-timeout mooncake-transfer-engine-non-cuda prometheus-client==0.26.0
 # kvsidecar's metadata (entry points: SGLang's sglang.srt.plugins loads connector.sglang_plugin in
 # every scheduler process) plus a .pth naming this checkout; checked in a fresh interpreter
 $V/bin/python scripts/sglang/install_metadata.py
