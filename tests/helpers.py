@@ -14,6 +14,26 @@ def file_l3_overrides(tmp_path, lay, num_blocks: int, **extra) -> dict:
     return d
 
 
+def small_kv(n_blocks: int, seed: int = 0) -> list:
+    """Engine KV for the small test layout (2 layers, K and V, 4 tokens x 2 heads x 16 dims)."""
+    import torch
+
+    torch.manual_seed(seed)
+    return [tuple(torch.randn(n_blocks, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+
+
+def fill_l3(start_sidecar, instance: str, lay, overrides: dict, kv, tokens) -> bytes:
+    """Write ``tokens``' blocks to the file-store L3 through a sidecar started with
+    ``start_sidecar(**overrides)``, which is then stopped; returns the chain."""
+    from connector.kv_client import KVConnector
+
+    sp = start_sidecar(**overrides)
+    with KVConnector(instance, lay) as c:
+        chain, _ = store_to_l3(c, kv, tokens)
+    sp.stop()
+    return chain
+
+
 def wait_l3_idle(conn, timeout_s: float = 20.0) -> dict:
     """Wait (bounded) until the sidecar has no L3 PUT in flight; returns the last stats."""
     deadline = time.monotonic() + timeout_s

@@ -12,13 +12,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from connector.kv_client import KVConnector
 from shm.layout import KVLayout
 from sidecar import inspector
 
-from .helpers import file_l3_overrides, store_to_l3
+from .helpers import file_l3_overrides, fill_l3, small_kv
 
 ROOT = Path(__file__).resolve().parent.parent
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
@@ -33,13 +32,7 @@ def overrides(tmp_path, **extra):
 @pytest.fixture
 def l3_chain(sidecar_factory, instance, tmp_path):
     """The test chain written to the file store through one sidecar (then stopped)."""
-    torch.manual_seed(0)
-    kv = [tuple(torch.randn(N, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
-    sp = sidecar_factory(**overrides(tmp_path))
-    with KVConnector(instance, LAY) as c:
-        chain, _ = store_to_l3(c, kv, TOKENS)
-    sp.stop()
-    return chain
+    return fill_l3(sidecar_factory, instance, LAY, overrides(tmp_path), small_kv(N), TOKENS)
 
 
 # -- a validator for the JSON Schema subset inspector.SCHEMA uses -------------------------------

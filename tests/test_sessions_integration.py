@@ -11,7 +11,7 @@ from connector.kv_client import KVConnector
 from shm.errors import ErrorCode, RemoteError
 from shm.layout import KVLayout
 
-from .helpers import file_l3_overrides, store_to_l3, wait_l3_idle, wait_terminal
+from .helpers import file_l3_overrides, fill_l3, small_kv, wait_l3_idle, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48  # blocks in the test chain
@@ -24,18 +24,13 @@ def overrides(tmp_path, **extra):
 
 @pytest.fixture
 def kv():
-    torch.manual_seed(0)
-    return [tuple(torch.randn(N, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    return small_kv(N)
 
 
 @pytest.fixture
 def l3_filled(sidecar_factory, instance, tmp_path, kv):
     """Write the test chain to the file store through one sidecar, then stop it."""
-    sp = sidecar_factory(**overrides(tmp_path))
-    with KVConnector(instance, LAY) as c:
-        chain, _ = store_to_l3(c, kv, TOKENS)
-    sp.stop()
-    return chain
+    return fill_l3(sidecar_factory, instance, LAY, overrides(tmp_path), kv, TOKENS)
 
 
 def get_and_check(c, chain, req, kv):

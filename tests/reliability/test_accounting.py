@@ -12,7 +12,7 @@ from connector.kv_client import KVConnector
 from shm.layout import KVLayout
 
 from .. import procs
-from ..helpers import file_l3_overrides, store_to_l3, wait_terminal
+from ..helpers import file_l3_overrides, fill_l3, small_kv, wait_terminal
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 24
@@ -25,13 +25,7 @@ def overrides(tmp_path, lay=LAY, **extra):
 
 @pytest.fixture
 def l3_filled(sidecar_factory, instance, tmp_path):
-    torch.manual_seed(0)
-    kv = [tuple(torch.randn(N, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
-    sp = sidecar_factory(**overrides(tmp_path))
-    with KVConnector(instance, LAY) as c:
-        chain, _ = store_to_l3(c, kv, TOKENS)
-    sp.stop()
-    return chain
+    return fill_l3(sidecar_factory, instance, LAY, overrides(tmp_path), small_kv(N), TOKENS)
 
 
 def test_books_balance_while_sessions_are_in_flight_and_a_stuck_read_is_left_behind(
