@@ -40,6 +40,7 @@ class Lease:
     id: int
     blocks: tuple
     count: int
+    stale: bool = False  # a replayed group decision whose lease was gone for this rank: a miss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Staging:
     blocks: tuple
     count: int
     resident: int  # blocks resident before this store
+    stale: bool = False  # a replayed group decision whose staging was gone: nothing to write
 
 
 def _ids(blob: bytes) -> tuple:
@@ -137,7 +139,7 @@ class KVConnector:
 
     def get(self, chain: bytes, max_blocks: int | None = None, **group) -> Lease:
         r = self.client.call("get", chain=chain, max_blocks=max_blocks, **group)
-        return Lease(r["lease"], _ids(r["blocks"]), r["count"])
+        return Lease(r["lease"], _ids(r["blocks"]), r["count"], bool(r.get("stale")))
 
     def release(self, lease) -> bool:
         lid = lease.id if isinstance(lease, Lease) else lease
@@ -147,7 +149,7 @@ class KVConnector:
 
     def store(self, chain: bytes, l3: bool = False, **group) -> Staging:
         r = self.client.call("store", chain=chain, l3=l3 or None, ns=self.hasher.namespace or None, **group)
-        return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"])
+        return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"], bool(r.get("stale")))
 
     def commit(self, staging, ok: bool = True) -> dict:
         """Commit this rank's shard.  A non-writer rank (MLA, rank > 0) has nothing to commit."""

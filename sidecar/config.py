@@ -160,6 +160,13 @@ class SidecarConfig:
         for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
             if getattr(self.limits, name) < 0:
                 raise ConfigError(f"limits.{name} must be >= 0")
+        lim = self.limits
+        if not (lim.lease_ttl_s > 0 and lim.staging_ttl_s > 0 and lim.decision_ttl_s > 0):
+            raise ConfigError("limits.lease_ttl_s, staging_ttl_s and decision_ttl_s must be positive")
+        if lim.decision_ttl_s > min(lim.lease_ttl_s, lim.staging_ttl_s):
+            # a group decision points at a lease or a staging: it must never outlive them
+            raise ConfigError(f"limits.decision_ttl_s ({lim.decision_ttl_s}) must be <= lease_ttl_s "
+                              f"({lim.lease_ttl_s}) and staging_ttl_s ({lim.staging_ttl_s})")
         policies = ("wait_complete", "timeout", "best_effort", "cost_aware")
         if self.sessions.policy_override not in ("",) + policies or self.sessions.default_policy not in policies:
             raise ConfigError(f"sessions policies must be one of {policies}")

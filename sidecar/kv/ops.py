@@ -95,7 +95,7 @@ class KVCore(Service):
             if prior is not None:
                 if "error" in prior:
                     raise OpError(prior["error"][0], prior["error"][1])
-                return dict(prior)
+                return self._replayable(conn, op, prior)
         try:
             result = compute(key is not None)
         except OpError as exc:
@@ -107,6 +107,39 @@ class KVCore(Service):
             self.decisions.record(key, conn.info.rank, conn.info.group_size, result, self.clock())
             self.arm_reaper(self.decisions.next_expiry())
         return dict(result)
+
+    def _replayable(self, conn, op: str, prior: dict) -> dict:
+        """The group's recorded answer as this rank may receive it (DESIGN §6).
+
+        The rule, enforced here for every replay: block ids in a reply are backed by a pin
+        the receiving rank holds until it releases.  A GET's ids are replayed only while
+        their group lease lives, and the rank gets a share of it if it had none (it was
+        away when the lease was made, or came back after dying); a store's ids only while
+        the staging is open and still waits for this rank's shard.  Otherwise the rank
+        gets a *stale miss* — ``count`` 0, no ids, ``stale: True`` — and ``decisions_stale``
+        counts it: every caller already recomputes on a miss (SGLang's MIN all-reduce of
+        the completed pages then makes the whole group recompute that request), so a rank
+        that came back can neither load another chain's bytes nor write into them.
+        ``lookup`` and ``poll`` answers carry no block ids and replay as recorded."""
+        out = dict(prior)
+        if not out.get("count"):
+            return out
+        info = conn.info
+        if op == "get":
+            if self.leases.join(out["lease"], info.group, info.rank):
+                return out
+            out.update(lease=0, blocks=b"", count=0, stale=True)
+        elif op == "store":
+            st = self.staging.records.get(out["staging"])
+            if st is not None and st.group == info.group and info.rank in st.writers:
+                return out
+            out.update(staging=0, blocks=b"", count=0, stale=True)
+        else:  # an op whose answer carries ids must say here how they stay backed
+            raise AssertionError(f"replay of {op!r} with a block count has no backing rule")
+        self.sidecar.counters["decisions_stale"] += 1
+        log.info("stale %s replay for group %r rank %d: its %s is gone; answered as a miss",
+                 op, info.group, info.rank, "lease" if op == "get" else "staging")
+        return out
 
     def arm_reaper(self, due) -> None:
         if due is not None and due < self._reaper_due:
@@ -139,6 +172,9 @@ class KVCore(Service):
             # the whole group left: shares and commits owed by ranks that never attached die with it
             self.leases.group_gone(info.group)
             self.staging.group_gone(info.group)
+            # and its decisions: a new incarnation (an engine restarted under the same group
+            # name) reuses request ids and steps, and must never be answered from the old one
+            self.decisions.forget_group(info.group)
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:
