@@ -53,6 +53,15 @@ class LimitsConfig:
 
 
 @dataclasses.dataclass
+class IntegrityConfig:
+    # every shard's bytes carry an XXH3-64 checksum computed by its writer (DESIGN §7): commits
+    # must carry them, GET replies hand them to the ranks, L3 objects carry them and every
+    # block read from L3 is verified before it is published.  false exists to measure the
+    # cost (scripts.bench integrity) and is logged as a warning: nothing is verified then.
+    checksums: bool = True
+
+
+@dataclasses.dataclass
 class L3Config:
     """The remote tier.  ``backend``: "file" (embedded, the default), "mooncake" or "none"."""
 
@@ -137,6 +146,7 @@ class SidecarConfig:
     l3: L3Config = dataclasses.field(default_factory=L3Config)
     sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    integrity: IntegrityConfig = dataclasses.field(default_factory=IntegrityConfig)
 
     def validate(self) -> None:
         t = self.transport

@@ -79,9 +79,10 @@ def kv_rank_worker(instance: str, layout_dict: dict, rank: int, group: str, conn
     from shm.layout import KVLayout
 
     lay = KVLayout(**layout_dict)
-    kc = KVConnector(instance, lay, rank=rank, group=group, namespace=namespace)
+    kc = KVConnector(instance, lay, rank=rank, group=group, namespace=namespace, verify_loads="all")
     kv = None
     leases = {}
+    staged = {}  # staging id -> Staging (its commit checksums the blocks)
     while True:
         if not conn.poll(60):
             return
@@ -100,13 +101,14 @@ def kv_rank_worker(instance: str, layout_dict: dict, rank: int, group: str, conn
                 st = kc.store(chain, req=args.get("req"), step=args.get("step"))
                 pages = list(range(st.start, st.start + st.count))
                 kc.save(st, kv, pages)
+                staged[st.id] = st
                 if args.get("commit", True):
-                    r = kc.commit(st, ok=args.get("ok", True))
+                    r = kc.commit(staged.pop(st.id), ok=args.get("ok", True))
                     res = {"staging": st.id, "start": st.start, "count": st.count, "published": r["published"]}
                 else:
                     res = {"staging": st.id, "start": st.start, "count": st.count}
             elif cmd == "commit":
-                res = kc.commit(args["staging"], ok=args.get("ok", True))["published"]
+                res = kc.commit(staged.pop(args["staging"]), ok=args.get("ok", True))["published"]
             elif cmd == "lookup":
                 res = kc.lookup(kc.hasher.chain(args["tokens"]), req=args.get("req"), step=args.get("step"))
             elif cmd == "get_load":  # get + load into fresh tensors, digest of the loaded pages

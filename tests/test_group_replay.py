@@ -39,7 +39,7 @@ def kv_of(value: float, pages: int = N) -> list:
 
 
 def rank(instance: str, r: int, group: str = "g") -> KVConnector:
-    c = KVConnector(instance, LAY, rank=r, group=group, populate="off")
+    c = KVConnector(instance, LAY, rank=r, group=group, populate="off", verify_loads="all")
     c.attach()
     return c
 

@@ -15,6 +15,7 @@ from shm.chain import count as id_count, length as chain_len
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
+from sidecar.kv.checksums import ChecksumTable
 from sidecar.kv.decisions import DecisionBook
 from sidecar.kv.index import PrefixIndex
 from sidecar.kv.leases import LeaseError, LeaseTable
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class KVCore(Service):
-    def __init__(self, sidecar: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic):
+    def __init__(self, sidecar: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic,
+                 checksums: bool = True):
         self.clock = clock  # injected: the executor bench drives a fake clock
         self.sidecar = sidecar
         self.layout = layout
@@ -39,6 +41,8 @@ class KVCore(Service):
                                 pinned_limit_bytes=limits.pinned_bytes_limit or pool_bytes)
         self.staging = StagingTable(self.pool)
         self.decisions = DecisionBook(limits.decision_ttl_s)
+        # one XXH3-64 per (block, shard), written by the block's writer (integrity.checksums)
+        self.sums = ChecksumTable(num_blocks, layout.num_shards) if checksums else None
         self._reaper_due = float("inf")
         # Every holder of pins or staging outside the lease and staging tables (prefetch
         # sessions) registers here, so the books balance while they run: each provides
@@ -115,7 +119,8 @@ class KVCore(Service):
         the receiving rank holds until it releases.  A GET's ids are replayed only while
         their group lease lives, and the rank gets a share of it if it had none (it was
         away when the lease was made, or came back after dying); a store's ids only while
-        the staging is open and still waits for this rank's shard.  Otherwise the rank
+        the staging is open and still waits for this rank's shard (a rank that writes nothing, MLA,
+        gets the decision without ids).  Otherwise the rank
         gets a *stale miss* — ``count`` 0, no ids, ``stale: True`` — and ``decisions_stale``
         counts it: every caller already recomputes on a miss (SGLang's MIN all-reduce of
         the completed pages then makes the whole group recompute that request), so a rank
@@ -130,6 +135,9 @@ class KVCore(Service):
                 return out
             out.update(lease=0, blocks=b"", count=0, stale=True)
         elif op == "store":
+            if not self.layout.writes(info.rank):  # (MLA) it writes nothing: the ids are not its to use
+                out["blocks"] = b""
+                return out
             st = self.staging.records.get(out["staging"])
             if st is not None and st.group == info.group and info.rank in st.writers:
                 return out
@@ -212,6 +220,8 @@ class KVCore(Service):
 
         result = self.decided(conn, "get", msg, compute)
         self.sidecar.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
+        if self.sums is not None and result["count"]:  # this rank's column: its blocks are pinned
+            result["sums"] = self.sums.column(result["blocks"], self.layout.shard_of(conn.info.rank))
         if self._after_get is not None:
             self._after_get(conn, msg)
         return result
@@ -257,6 +267,13 @@ class KVCore(Service):
         if msg.get("ok", True) is False:
             self.staging.abort(st, "failed")
             return {"published": False, "aborted": True}
+        if self.sums is not None:
+            sums = msg.get("sums")
+            if sums is None or len(sums) != 8 * st.count:
+                self.sidecar.counters["commit_bad_checksums"] += 1
+                raise OpError(ErrorCode.BAD_FIELD, f"commit of staging {st.id} needs 'sums': 8 bytes per block "
+                                                   f"({8 * st.count}), got {None if sums is None else len(sums)}")
+            self.sums.record(st.blocks, self.layout.shard_of(conn.info.rank), sums)
         done = self.staging.commit(st, conn.info.rank)
         if done and self._after_publish is not None:
             self._after_publish(st)
