@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import logging
 
 from native.checksum import first_mismatch, region_sums
+from shm.chain import KEY_BYTES
 from shm.errors import CorruptBlock, RemoteError
 from shm.layout import KVLayout
 from shm.segment import Segment
@@ -40,6 +42,8 @@ from .client import SidecarClient
 from .hashing import BlockHasher
 from .kv_copy import KVCopier
 from .pool_populate import PoolPopulator, cuda_device_for_attach
+
+log = logging.getLogger(__name__)
 
 POPULATE_MODES = ("background", "sync", "off")
 VERIFY_MODES = ("off", "sample", "all")
@@ -53,6 +57,7 @@ class Lease:
     count: int
     stale: bool = False  # a replayed group decision whose lease was gone for this rank: a miss
     sums: bytes = b""  # XXH3-64 of this rank's shard of each block (8 B each; empty: not checked)
+    keys: bytes = b""  # the chain keys of the leased blocks (what the checksums are bound to)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,7 @@ class Staging:
     count: int
     resident: int  # blocks resident before this store
     stale: bool = False  # a replayed group decision whose staging was gone: nothing to write
+    keys: bytes = b""  # the chain keys of the staged blocks (their checksums are bound to them)
 
 
 def _ids(blob: bytes) -> tuple:
@@ -158,7 +164,8 @@ class KVConnector:
 
     def get(self, chain: bytes, max_blocks: int | None = None, **group) -> Lease:
         r = self.client.call("get", chain=chain, max_blocks=max_blocks, **group)
-        return Lease(r["lease"], _ids(r["blocks"]), r["count"], bool(r.get("stale")), r.get("sums") or b"")
+        return Lease(r["lease"], _ids(r["blocks"]), r["count"], bool(r.get("stale")), r.get("sums") or b"",
+                     chain[:KEY_BYTES * r["count"]])
 
     def release(self, lease) -> bool:
         lid = lease.id if isinstance(lease, Lease) else lease
@@ -168,7 +175,8 @@ class KVConnector:
 
     def store(self, chain: bytes, l3: bool = False, **group) -> Staging:
         r = self.client.call("store", chain=chain, l3=l3 or None, ns=self.hasher.namespace or None, **group)
-        return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"], bool(r.get("stale")))
+        return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"], bool(r.get("stale")),
+                       chain[KEY_BYTES * r["start"]:KEY_BYTES * (r["start"] + r["count"])])
 
     def commit(self, staging, ok: bool = True) -> dict:
         """Commit this rank's shard.  A non-writer rank (MLA, rank > 0) has nothing to commit."""
@@ -181,7 +189,8 @@ class KVConnector:
         if ok and self.checksums:
             if not isinstance(staging, Staging):
                 raise TypeError("commit needs the Staging (its blocks are checksummed), not its id")
-            sums = region_sums(self.pool.address, self._shard_offsets(staging.blocks), self.layout.shard_bytes)
+            sums = region_sums(self.pool.address, self._shard_offsets(staging.blocks), self.layout.shard_bytes,
+                               staging.keys, self.layout.shard_of(self.rank))
         return self.client.call("commit", staging=sid, ok=ok, sums=sums)
 
     def _shard_offsets(self, blocks) -> array.array:
@@ -193,26 +202,31 @@ class KVConnector:
         """{verified_blocks, corrupt_blocks, loads_refused} of this connector's loads."""
         return dict(self.integrity)
 
-    def _verify(self, lease: Lease, n: int) -> None:
-        """Check the first ``n`` leased blocks (per ``verify_loads``) before they are copied."""
-        if self.verify_loads == "off" or not n:
-            return
-        if len(lease.sums) < 8 * n:
-            if self.checksums:
-                raise CorruptBlock(0, lease.blocks[0] if lease.blocks else -1,
-                                   f"lease {lease.id} carries {len(lease.sums) // 8} checksums for {n} blocks")
-            return  # the sidecar runs with integrity.checksums = false: nothing to check against
+    def verified(self, lease: Lease, start: int, n: int) -> int:
+        """How many of leased blocks ``[start, start + n)`` may be copied: ``n``, or the offset of
+        the first whose bytes do not match its checksum (per ``verify_loads``; counted)."""
+        if self.verify_loads == "off" or n <= 0:
+            return max(n, 0)
+        if len(lease.sums) < 8 * (start + n) or len(lease.keys) < KEY_BYTES * (start + n):
+            if self.checksums:  # a sidecar that checksums always sends them: treat as corrupt
+                self.integrity["corrupt_blocks"] += 1
+                log.warning("lease %d carries %d checksums for %d blocks", lease.id, len(lease.sums) // 8, start + n)
+                return 0
+            return n  # the sidecar runs with integrity.checksums = false: nothing to check against
         every = 1 if self.verify_loads == "all" else SAMPLE_EVERY
         phase = self._sample_phase
         self._sample_phase = (phase + 1) % SAMPLE_EVERY
-        bad = first_mismatch(self.pool.address, self._shard_offsets(lease.blocks[:n]), self.layout.shard_bytes,
-                             lease.sums[:8 * n], every, phase)
-        checked = n if every == 1 else len(range((-phase) % every, n, every))
+        bad = first_mismatch(self.pool.address, self._shard_offsets(lease.blocks[start:start + n]),
+                             self.layout.shard_bytes, lease.keys[KEY_BYTES * start:KEY_BYTES * (start + n)],
+                             self.layout.shard_of(self.rank), lease.sums[8 * start:8 * (start + n)], every, phase)
         if bad >= 0:
             self.integrity["corrupt_blocks"] += 1
-            self.integrity["loads_refused"] += 1
-            raise CorruptBlock(bad, lease.blocks[bad])
-        self.integrity["verified_blocks"] += checked
+            self.integrity["verified_blocks"] += len(range((-phase) % every, bad, every))
+            log.error("leased block %d (chain position %d) does not match its checksum: not loaded",
+                      lease.blocks[start + bad], start + bad)
+            return bad
+        self.integrity["verified_blocks"] += len(range((-phase) % every, n, every))
+        return n
 
     def restore(self, chain: bytes, timeout_s: float | None = None) -> dict:
         """Whole-chain restore from L3 into the pool (waits until done); then lookup/get."""
@@ -272,8 +286,12 @@ class KVConnector:
     def load(self, lease: Lease, kv_caches, pages, layers=None) -> int:
         """Copy this rank's shard of the first ``len(pages)`` leased blocks into ``pages``, after
         verifying them (``verify_loads``); raises ``CorruptBlock`` before copying on a mismatch."""
-        self._verify(lease, len(pages))
-        return self.copier.load(lease.blocks[:len(pages)], kv_caches, pages, layers)
+        n = len(pages)
+        good = self.verified(lease, 0, n)
+        if good < n:
+            self.integrity["loads_refused"] += 1
+            raise CorruptBlock(good, lease.blocks[good] if good < len(lease.blocks) else -1)
+        return self.copier.load(lease.blocks[:n], kv_caches, pages, layers)
 
     def save(self, staging: Staging, kv_caches, pages, layers=None) -> int:
         if not self.layout.writes(self.rank):

@@ -1,15 +1,20 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""64-bit block checksums (XXH3-64, seed 0) and their tables, with the GIL released.
+"""64-bit block checksums bound to their block's key and shard, with the GIL released.
 
-Why XXH3: it is the fastest well-kept non-cryptographic 64-bit hash (tens of GB/s per core
-with SSE2/AVX2, so hashing a shard costs a fraction of copying it), its output is stable
-across versions and platforms (a checksum written to L3 today verifies tomorrow), and it is
-BSD-licensed header plus its x86 dispatcher (``native/xxhash.h``, ``xxh_x86dispatch.c``, xxHash
-0.8.4, compiled in: SSE2/AVX2/AVX-512 chosen at run time) — no run-time dependency.  Integrity here means "these are the bytes the writer saved", not authenticity.
+A *shard* is one rank's contiguous part of a pool block (``shm.layout``).  Its checksum is
+``XXH3-64(shard bytes, seed = key_lo ^ (GOLDEN × (shard + 1)))`` where ``key_lo`` is the
+first 8 bytes (little-endian) of the block's 16-byte chain key: a checksum verifies *these
+bytes are what the writer saved for this key and this shard*, so a block of another chain,
+another shard, or another object under a key fails it — not only flipped bits.
 
-A *shard* is one rank's contiguous part of a pool block (``shm.layout``); its checksum is
-XXH3-64 of its bytes.  A checksum *table* holds ``stride`` little-endian u64 per block
-(one per shard); block ids travel as packed uint32 blobs (``shm.chain`` ids).  Addresses must
+Why XXH3: the fastest well-kept non-cryptographic 64-bit hash (tens of GB/s per core), with
+output stable across versions and platforms (a checksum written to L3 today verifies
+tomorrow), in one BSD-licensed header plus its x86 dispatcher (``native/xxhash.h``,
+``xxh_x86dispatch.c``, xxHash 0.8.4, compiled in: SSE2/AVX2/AVX-512 chosen at run time) — no
+run-time dependency.  Integrity here means "the writer's bytes", not authenticity.
+
+A checksum *table* holds ``stride`` little-endian u64 per pool block (one per shard); block ids
+travel as packed uint32 blobs and keys as 16-byte chain blobs (``shm.chain``).  Addresses must
 lie inside live mappings the caller keeps alive; ranges are the caller's to check.
 """
 
@@ -18,36 +23,64 @@ from libc.string cimport memcpy
 
 cdef extern from "kvs_xxh.h" nogil:
     ctypedef unsigned long long XXH64_hash_t
-    XXH64_hash_t XXH3_64bits "kvs_xxh3_64" (const void* data, size_t length)
+    XXH64_hash_t kvs_xxh3_64(const void* data, size_t length)
+    XXH64_hash_t kvs_xxh3_64_seed(const void* data, size_t length, XXH64_hash_t seed)
+
+DEF KEY = 16
+cdef uint64_t GOLDEN = 0x9E3779B97F4A7C15
 
 
-def xxh3_64(const uint8_t[::1] data) -> int:
+cdef inline uint64_t _seed(const uint8_t *key, Py_ssize_t shard) noexcept nogil:
+    cdef uint64_t lo
+    memcpy(&lo, key, 8)
+    return lo ^ (GOLDEN * <uint64_t>(shard + 1))
+
+
+def xxh3_64(const uint8_t[::1] data, uint64_t seed=0):
     """XXH3-64 of a buffer (tests and tools)."""
     cdef XXH64_hash_t h
     with nogil:
-        h = XXH3_64bits(&data[0] if data.shape[0] else NULL, data.shape[0])
+        h = kvs_xxh3_64_seed(&data[0] if data.shape[0] else NULL, data.shape[0], seed)
     return h
 
 
-def region_sums(uintptr_t base, const int64_t[::1] offsets, Py_ssize_t nbytes) -> bytes:
-    """Checksums of ``nbytes`` at ``base + offsets[i]``, as ``8 × n`` bytes (u64 little-endian)."""
+def shard_seed(const uint8_t[::1] key, Py_ssize_t shard):
+    """The seed of ``key``'s block, shard ``shard``."""
+    if key.shape[0] != KEY:
+        raise ValueError("a key is 16 bytes")
+    return _seed(&key[0], shard)
+
+
+cdef _check_keys(const uint8_t[::1] keys, Py_ssize_t n):
+    if keys.shape[0] != KEY * n:
+        raise ValueError(f"{keys.shape[0]} key bytes for {n} blocks")
+
+
+def region_sums(uintptr_t base, const int64_t[::1] offsets, Py_ssize_t nbytes, const uint8_t[::1] keys,
+                Py_ssize_t shard):
+    """Checksums of ``nbytes`` at ``base + offsets[i]`` as block ``keys[i]``'s ``shard``:
+    ``8 × n`` bytes (u64 little-endian)."""
+    cdef Py_ssize_t i, n = offsets.shape[0]
     if nbytes < 0:
         raise ValueError("negative size")
-    cdef Py_ssize_t i, n = offsets.shape[0]
+    _check_keys(keys, n)
     out = bytearray(8 * n)
-    cdef uint64_t[::1] view = memoryview(out).cast("Q") if n else None
+    cdef uint8_t[::1] o = out if n else None
     cdef const char *b = <const char*>base
+    cdef uint64_t h
     with nogil:
         for i in range(n):
-            view[i] = XXH3_64bits(b + offsets[i], nbytes)
+            h = kvs_xxh3_64_seed(b + offsets[i], nbytes, _seed(&keys[KEY * i], shard))
+            memcpy(&o[8 * i], &h, 8)
     return bytes(out)
 
 
-def first_mismatch(uintptr_t base, const int64_t[::1] offsets, Py_ssize_t nbytes,
-                   const uint8_t[::1] expected, Py_ssize_t every=1, Py_ssize_t phase=0):
-    """The first ``i`` (among those with ``(i + phase) % every == 0``) whose region's checksum
-    differs from ``expected[8i:8i+8]``, or -1.  ``every`` > 1 samples."""
+def first_mismatch(uintptr_t base, const int64_t[::1] offsets, Py_ssize_t nbytes, const uint8_t[::1] keys,
+                   Py_ssize_t shard, const uint8_t[::1] expected, Py_ssize_t every=1, Py_ssize_t phase=0):
+    """The first ``i`` (among those with ``(i + phase) % every == 0``) whose region's checksum as
+    ``keys[i]``'s ``shard`` differs from ``expected[8i:8i+8]``, or -1.  ``every`` > 1 samples."""
     cdef Py_ssize_t i, n = offsets.shape[0]
+    _check_keys(keys, n)
     if expected.shape[0] != 8 * n:
         raise ValueError(f"{expected.shape[0]} checksum bytes for {n} regions")
     if every < 1:
@@ -60,16 +93,17 @@ def first_mismatch(uintptr_t base, const int64_t[::1] offsets, Py_ssize_t nbytes
             if (i + phase) % every:
                 continue
             memcpy(&want, &expected[8 * i], 8)
-            if XXH3_64bits(b + offsets[i], nbytes) != want:
+            if kvs_xxh3_64_seed(b + offsets[i], nbytes, _seed(&keys[KEY * i], shard)) != want:
                 bad = i
                 break
     return bad
 
 
-def verify_blocks(uintptr_t pool, const uint8_t[::1] ids, Py_ssize_t block_bytes, Py_ssize_t shards,
-                  uintptr_t table) -> bytearray:
-    """Per block of ``ids``: 1 when every shard's checksum equals its table row's, else 0."""
+def verify_blocks(uintptr_t pool, const uint8_t[::1] ids, const uint8_t[::1] keys, Py_ssize_t block_bytes,
+                  Py_ssize_t shards, uintptr_t table):
+    """Per block of ``ids`` (as ``keys``): 1 when every shard's checksum equals its table row's."""
     cdef Py_ssize_t n = ids.shape[0] // 4, i, s
+    _check_keys(keys, n)
     cdef Py_ssize_t shard_bytes = block_bytes // shards
     cdef uint32_t bid
     cdef uint64_t expected
@@ -83,14 +117,14 @@ def verify_blocks(uintptr_t pool, const uint8_t[::1] ids, Py_ssize_t block_bytes
             ok[i] = 1
             for s in range(shards):
                 memcpy(&expected, row + 8 * s, 8)
-                if XXH3_64bits(<const char*>pool + <Py_ssize_t>bid * block_bytes + s * shard_bytes,
-                               shard_bytes) != expected:
+                if kvs_xxh3_64_seed(<const char*>pool + <Py_ssize_t>bid * block_bytes + s * shard_bytes,
+                                    shard_bytes, _seed(&keys[KEY * i], s)) != expected:
                     ok[i] = 0
                     break
     return out
 
 
-def gather(uintptr_t table, const uint8_t[::1] ids, Py_ssize_t stride, Py_ssize_t column) -> bytes:
+def gather(uintptr_t table, const uint8_t[::1] ids, Py_ssize_t stride, Py_ssize_t column):
     """``table[id * stride + column]`` for each id, as ``8 × n`` bytes."""
     cdef Py_ssize_t n = ids.shape[0] // 4, i
     cdef uint32_t bid
@@ -104,7 +138,7 @@ def gather(uintptr_t table, const uint8_t[::1] ids, Py_ssize_t stride, Py_ssize_
 
 
 def scatter(uintptr_t table, const uint8_t[::1] ids, Py_ssize_t stride, Py_ssize_t column,
-            const uint8_t[::1] values) -> None:
+            const uint8_t[::1] values):
     """``table[id * stride + column] = values[i]`` for each id (``values``: ``8 × n`` bytes)."""
     cdef Py_ssize_t n = ids.shape[0] // 4, i
     cdef uint32_t bid

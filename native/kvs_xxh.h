@@ -7,7 +7,9 @@
 #if defined(KVS_XXH_DISPATCH)
 #include "xxh_x86dispatch.h"
 #define kvs_xxh3_64(p, n) XXH3_64bits_dispatch((p), (n))
+#define kvs_xxh3_64_seed(p, n, s) XXH3_64bits_withSeed_dispatch((p), (n), (s))
 #else
 #define kvs_xxh3_64(p, n) XXH3_64bits((p), (n))
+#define kvs_xxh3_64_seed(p, n, s) XXH3_64bits_withSeed((p), (n), (s))
 #endif
 #endif

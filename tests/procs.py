@@ -148,6 +148,22 @@ def page_pattern(tokens, rank_shard: int, layer: int, kv: int, shape):
     return torch.randint(-500, 500, shape, generator=g).to(torch.float16)
 
 
+def chain_kv(layout_dict: dict, rank: int, tokens):
+    """One rank's engine KV for a chain, page ``p`` holding ``page_pattern`` of the tokens up to
+    and including block ``p``: two chains never share a page's bytes, so a rank handed another
+    chain's blocks copies visibly wrong KV."""
+    import torch
+
+    from shm.layout import KVLayout
+
+    lay = KVLayout(**layout_dict)
+    tpb, n = lay.tokens_per_block, len(tokens) // lay.tokens_per_block
+    shape = (lay.tokens_per_block, lay.heads_per_shard, lay.head_dim)
+    shard = lay.shard_of(rank)
+    return [tuple(torch.stack([page_pattern(tokens[:(p + 1) * tpb], shard, layer, k, shape) for p in range(n)])
+                  for k in range(lay.kv_factor)) for layer in range(lay.num_layers)]
+
+
 def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, seed: int, steps: int,
                      skew_s: float, conn) -> None:
     """Run ``steps`` of store / get+load+verify / release with a shared system prompt.

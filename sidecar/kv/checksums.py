@@ -1,5 +1,9 @@
 """The checksum table: one XXH3-64 per (pool block, shard), recorded with the block (DESIGN §7).
 
+Each checksum is seeded with the block's chain key and the shard (``native.checksum``): it
+verifies the bytes *as that key's block*, so a block handed out under another chain's key (a
+stale id, a reused block) fails verification exactly like flipped bits.
+
 Row ``b`` (``shards × 8`` bytes, little-endian u64 per shard) belongs to pool block ``b`` and
 is valid while the block is RESIDENT.  It is written by exactly one path per block life:
 
@@ -52,9 +56,10 @@ class ChecksumTable:
         """``shard``'s checksums of packed ``blocks`` (``8 × n`` bytes, in order)."""
         return _native.gather(self.address, blocks, self.shards, shard)
 
-    def verify(self, pool_address: int, block_bytes: int, blocks: bytes) -> bytearray:
-        """Per block of ``blocks``: 1 when every shard's bytes in the pool match its row."""
-        return _native.verify_blocks(pool_address, blocks, block_bytes, self.shards, self.address)
+    def verify(self, pool_address: int, block_bytes: int, blocks: bytes, keys: bytes) -> bytearray:
+        """Per block of ``blocks`` (as chain ``keys``): 1 when every shard's bytes in the pool
+        match its row."""
+        return _native.verify_blocks(pool_address, blocks, keys, block_bytes, self.shards, self.address)
 
     def close(self) -> None:
         del self._anchor

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 
-from shm.chain import count as id_count, keys as chain_keys
+from shm.chain import KEY_BYTES, count as id_count, keys as chain_keys
 from sidecar.kv.checksums import ChecksumTable
 from sidecar.kv.index import pack_ids, unpack_ids
 from sidecar.l3.base import L3Backend
@@ -143,7 +143,8 @@ class L3Tier:
             if sums is not None and any(ok):
                 ids = unpack_ids(blocks)
                 landed = [i for i, o in enumerate(ok) if o]
-                match = sums.verify(self.pool_address, size, pack_ids([ids[i] for i in landed]))
+                match = sums.verify(self.pool_address, size, pack_ids([ids[i] for i in landed]),
+                                    b"".join(chain[KEY_BYTES * i:KEY_BYTES * (i + 1)] for i in landed))
                 for i, m in zip(landed, match):
                     if not m:
                         ok[i] = False
