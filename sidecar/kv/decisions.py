@@ -27,6 +27,7 @@ class Decision:
     readers: set
     group_size: int
     expires: float
+    question: bytes = b""  # a digest of what was asked (the chain): a replay must ask the same
 
 
 class DecisionBook:
@@ -37,8 +38,8 @@ class DecisionBook:
         self.hits = 0
         self.made = 0
 
-    def lookup(self, key: tuple, rank: int) -> dict | None:
-        """The recorded answer for ``key`` (and mark ``rank`` as having read it), or None."""
+    def lookup(self, key: tuple, rank: int) -> Decision | None:
+        """The record for ``key`` (and mark ``rank`` as having read it), or None."""
         rec = self.records.get(key)
         if rec is None:
             return None
@@ -46,13 +47,14 @@ class DecisionBook:
         self.hits += 1
         if len(rec.readers) >= rec.group_size:
             del self.records[key]
-        return rec.result
+        return rec
 
-    def record(self, key: tuple, rank: int, group_size: int, result: dict, now: float) -> None:
+    def record(self, key: tuple, rank: int, group_size: int, result: dict, now: float,
+               question: bytes = b"") -> None:
         self.made += 1
         if group_size <= 1:
             return
-        self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s)
+        self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s, question)
         self._expiry.push(now + self.ttl_s, key)
 
     def forget_group(self, group: str) -> int:

@@ -11,6 +11,7 @@ import collections
 import logging
 import time
 
+from native.hashing import murmur3_128
 from shm.chain import count as id_count, length as chain_len
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
@@ -24,6 +25,14 @@ from sidecar.kv.admission import PoolManager, Refusal
 from sidecar.kv.staging import StagingTable
 
 log = logging.getLogger(__name__)
+
+
+def _question(msg: dict) -> bytes:
+    """What a group decision answered: a digest of the chain and the bound it was asked with."""
+    chain = msg.get("chain")
+    if chain is None:
+        return b""
+    return murmur3_128(chain + str(msg.get("max_blocks")).encode())
 
 
 class KVCore(Service):
@@ -94,21 +103,24 @@ class KVCore(Service):
     def decided(self, conn, op, msg, compute):
         """Replay the group's recorded answer for this step, or compute and record it."""
         key = self._decision_key(conn, op, msg)
+        question = _question(msg) if key is not None else b""
         if key is not None:
-            prior = self.decisions.lookup(key, conn.info.rank)
-            if prior is not None:
-                if "error" in prior:
-                    raise OpError(prior["error"][0], prior["error"][1])
-                return self._replayable(conn, op, prior)
+            rec = self.decisions.lookup(key, conn.info.rank)
+            if rec is not None:
+                if rec.question != question:  # the same (req, step) asked about another chain
+                    return self._stale(conn, op, rec.result, "conflicting")
+                if "error" in rec.result:
+                    raise OpError(rec.result["error"][0], rec.result["error"][1])
+                return self._replayable(conn, op, rec.result)
         try:
             result = compute(key is not None)
         except OpError as exc:
             if key is not None:  # a refusal is a decision too: every rank gets it
                 self.decisions.record(key, conn.info.rank, conn.info.group_size,
-                                      {"error": (exc.code, exc.message)}, self.clock())
+                                      {"error": (exc.code, exc.message)}, self.clock(), question)
             raise
         if key is not None:
-            self.decisions.record(key, conn.info.rank, conn.info.group_size, result, self.clock())
+            self.decisions.record(key, conn.info.rank, conn.info.group_size, result, self.clock(), question)
             self.arm_reaper(self.decisions.next_expiry())
         return dict(result)
 
@@ -133,7 +145,6 @@ class KVCore(Service):
         if op == "get":
             if self.leases.join(out["lease"], info.group, info.rank):
                 return out
-            out.update(lease=0, blocks=b"", count=0, stale=True)
         elif op == "store":
             if not self.layout.writes(info.rank):  # (MLA) it writes nothing: the ids are not its to use
                 out["blocks"] = b""
@@ -141,12 +152,26 @@ class KVCore(Service):
             st = self.staging.records.get(out["staging"])
             if st is not None and st.group == info.group and info.rank in st.writers:
                 return out
-            out.update(staging=0, blocks=b"", count=0, stale=True)
         else:  # an op whose answer carries ids must say here how they stay backed
             raise AssertionError(f"replay of {op!r} with a block count has no backing rule")
-        self.sidecar.counters["decisions_stale"] += 1
-        log.info("stale %s replay for group %r rank %d: its %s is gone; answered as a miss",
-                 op, info.group, info.rank, "lease" if op == "get" else "staging")
+        return self._stale(conn, op, prior, "stale")
+
+    def _stale(self, conn, op: str, prior: dict, why: str) -> dict:
+        """The miss a rank gets instead of a replay it may not follow (``decisions_<why>``):
+        ``stale`` — what the record points at is gone for it; ``conflicting`` — it asked this
+        (req, step) about another chain than the rank that decided (a reused request id)."""
+        if op == "get":
+            out = {"lease": 0, "blocks": b"", "count": 0}
+        elif op == "store":
+            out = {"staging": 0, "blocks": b"", "count": 0, "start": prior.get("start", 0),
+                   "resident": prior.get("resident", 0)}
+        elif op == "lookup":
+            out = {"hit": 0}
+        else:
+            raise AssertionError(f"no stale answer for {op!r}")
+        out["stale"] = True
+        self.sidecar.counters[f"decisions_{why}"] += 1
+        log.info("%s %s replay for group %r rank %d: answered as a miss", why, op, conn.info.group, conn.info.rank)
         return out
 
     def arm_reaper(self, due) -> None:
