@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -167,12 +168,25 @@ def test_abort_while_waiting_for_remote_kv(sidecar_factory, tmp_path, engines, p
     tokens = prompt(6 * BLOCK)
     store_through(a, "w", tokens)
     b = engines()
+    gate = threading.Event()
+    held = []
+
+    def hold_the_copy(so):  # the rank's copy thread is busy until the gate opens
+        if so.kv_connector_metadata.plan.loads and not held:
+            held.append(b.worker_conn.worker._pool.submit(gate.wait, 10))
+
     b.add("r", tokens)
-    b.run(lambda: b.request("r").status == RequestStatus.WAITING_FOR_REMOTE_KVS)
-    b.abort("r")  # the load was handed to the workers this step
+    for _ in range(20):
+        b.step(before_load=hold_the_copy)
+        if b.request("r").status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+    assert held and b.worker_conn.worker.loads_in_flight == 1
     free_before = b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    b.abort("r")  # the load is in flight in the rank: vLLM keeps its blocks until it finished
+    assert b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    gate.set()
     b.run(lambda: "r" in b.finished_recving_seen and "r" not in b.scheduler.requests)
-    assert b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > free_before  # freed after the copy
+    assert b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before + 6
     assert "r" not in b.sched_conn.scheduler.reqs
     books_clean(probe())
 
