@@ -64,23 +64,33 @@ class SidecarLink:
         return self.start()
 
     def call(self, fn, default=None):
-        """``fn()``, or ``default`` when the sidecar cannot answer (never raises a sidecar error)."""
+        """``fn()``, or ``default`` when the sidecar cannot answer (never raises a sidecar error).
+
+        A call that finds its sidecar dead or replaced re-attaches at once (a restarted
+        sidecar serves the very call that noticed) and is tried once more."""
         if not self.ready():
             self.misses += 1
             return default
-        try:
-            return fn()
-        except RemoteError as exc:
-            log.warning("kvsidecar refused %s (%s); treating it as a miss", exc.op, exc)
-            self.errors += 1
-            self.misses += 1
-            return default
-        except KvSidecarError as exc:
-            log.warning("kvsidecar call failed (%s); treating it as a miss", exc)
-            if not self.conn.client.attached:
+        for retry in (True, False):
+            try:
+                return fn()
+            except RemoteError as exc:
+                log.warning("kvsidecar refused %s (%s); treating it as a miss", exc.op, exc)
+                self.errors += 1
+                break
+            except KvSidecarError as exc:
+                if self.conn.client.attached:
+                    log.warning("kvsidecar call failed (%s); treating it as a miss", exc)
+                    break
+                log.warning("kvsidecar connection lost (%s)", exc)
                 self._down_since = self._clock()
-            self.misses += 1
-            return default
+                if not (retry and self._may_reattach()):
+                    break
+                self.conn.close()
+                if not self.start():
+                    break
+        self.misses += 1
+        return default
 
     def close(self) -> None:
         try:
