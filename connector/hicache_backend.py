@@ -155,7 +155,8 @@ class KvSidecarHiCacheStorage(_Base):
         cfg = self.config
         self.conns = PerThreadConnectors(
             lambda: KVConnector(self.instance, self.layout, rank=self.rank, group=self.group,
-                                namespace=self.namespace, timeout_s=cfg.timeout_s, populate=cfg.populate),
+                                namespace=self.namespace, timeout_s=cfg.timeout_s, populate=cfg.populate,
+                                verify_loads=cfg.verify_loads),
             cfg.reattach_every_s)
         if self.conns.current() is not None:
             log.info("kvsidecar backend: rank %d/%d attached to %s as group %r (sessions: policy %s, "
@@ -385,11 +386,12 @@ class KvSidecarHiCacheStorage(_Base):
             def run(c):
                 lease = c.get(chain)
                 try:
-                    if lease.count:
-                        self._copy(c, lease.blocks, host_indices, lease.count, to_host=True)
+                    got = c.verified(lease, 0, lease.count)  # a corrupt block cuts the hit there
+                    if got:
+                        self._copy(c, lease.blocks, host_indices, got, to_host=True)
                 finally:
                     c.release(lease)
-                return lease.count
+                return got
         else:
             off = ref.positions[keys[0]]
             end = off + n
@@ -401,7 +403,7 @@ class KvSidecarHiCacheStorage(_Base):
                 # group-consistent: every rank gets the same blocks for this batch of this request
                 lease = c.get(chain_span(ref.chain, 0, end), req=ref.rid, attempt=ref.attempt or None, step=off)
                 try:
-                    got = max(0, min(lease.count, end) - off)
+                    got = c.verified(lease, off, max(0, min(lease.count, end) - off))
                     if got:
                         self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True)
                 finally:
@@ -467,8 +469,9 @@ class KvSidecarHiCacheStorage(_Base):
             out = []
             try:
                 pool = c.pool.view
+                good = c.verified(lease, 0, lease.count)
                 for i in range(len(keys)):
-                    if i >= lease.count:
+                    if i >= good:
                         out.append(None)
                         continue
                     at = lease.blocks[i] * bb + so

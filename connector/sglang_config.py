@@ -59,6 +59,7 @@ class PluginConfig:
     timeout_s: float = 2.0  # deadline of one sidecar call
     reattach_every_s: float = 1.0  # a thread whose sidecar is down retries at most this often
     populate: str = "background"  # each thread connection's pool mapping (see connector.kv_client)
+    verify_loads: str = "sample"  # off | sample | all: check leased bytes against their checksums
     sessions: SessionConfig = SessionConfig()
 
     def __post_init__(self):
@@ -66,6 +67,8 @@ class PluginConfig:
             raise PluginConfigError("instance must be set")
         if self.populate not in POPULATE:
             raise PluginConfigError(f"populate must be one of {POPULATE}")
+        if self.verify_loads not in ("off", "sample", "all"):
+            raise PluginConfigError("verify_loads must be off, sample or all")
         if self.timeout_s <= 0 or self.reattach_every_s < 0:
             raise PluginConfigError("timeout_s must be > 0 and reattach_every_s >= 0")
 

@@ -20,6 +20,7 @@ from shm.layout import KVLayout, LayoutError
 
 POLICIES = ("timeout", "wait_complete", "best_effort", "cost_aware")
 POPULATE = ("background", "sync", "off")
+VERIFY = ("off", "sample", "all")
 
 
 class VllmConfigError(ValueError):
@@ -43,12 +44,15 @@ class VllmConnectorConfig:
     call_timeout_s: float = 2.0  # deadline of one sidecar call; past it the call is a miss
     reattach_every_s: float = 1.0  # a lost sidecar is retried at most this often
     populate: str = "background"  # worker ranks: fault in their pool mapping at attach
+    verify_loads: str = "sample"  # worker ranks check leased bytes against their checksums: off|sample|all
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise VllmConfigError(f"kv_connector_extra_config: policy {self.policy!r} is not one of {POLICIES}")
         if self.populate not in POPULATE:
             raise VllmConfigError(f"kv_connector_extra_config: populate {self.populate!r} is not one of {POPULATE}")
+        if self.verify_loads not in VERIFY:
+            raise VllmConfigError(f"kv_connector_extra_config: verify_loads {self.verify_loads!r} is not one of {VERIFY}")
         for name in ("call_timeout_s", "reattach_every_s"):
             if not getattr(self, name) > 0:
                 raise VllmConfigError(f"kv_connector_extra_config: {name} must be > 0")

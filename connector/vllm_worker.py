@@ -6,8 +6,9 @@
   ``(request, attempt, step)`` — this rank's own share of one group lease, taken while the
   scheduler's prefetch lease still pins the prefix — then a background copy of this rank's
   shard straight out of the shared mapping (``KVCopier``: the GIL-free CPU loop, or async
-  host→device copies on its stream where CUDA is).  Blocks the GET did not cover (evicted,
-  sidecar gone) and copies that fail are load errors.
+  host→device copies on its stream where CUDA is), after checking the leased bytes against
+  their checksums (``verify_loads``).  Blocks the GET did not cover (evicted, sidecar gone, a
+  stale replay), blocks that fail verification and copies that fail are load errors.
 * ``get_finished`` (each step): finished copies release their share and report the request in
   ``finished_recving``; their failed vLLM blocks go to ``get_block_ids_with_load_errors`` in
   the same pass (vLLM asks right after), so ``kv_load_failure_policy: "recompute"`` recomputes
@@ -52,7 +53,7 @@ class WorkerSide:
         self.layout = layout
         self.rank = rank
         self.conn = KVConnector(cfg.instance, layout, rank=rank, group=group, namespace=namespace,
-                                timeout_s=cfg.call_timeout_s, populate=cfg.populate)
+                                timeout_s=cfg.call_timeout_s, populate=cfg.populate, verify_loads=cfg.verify_loads)
         self._loads: dict[str, _Load] = {}
         self.link = SidecarLink(self.conn, cfg.reattach_every_s, may_reattach=lambda: not self._loads)
         self.views: PageViews | None = None
@@ -77,7 +78,9 @@ class WorkerSide:
         end = spec.start + len(spec.block_ids)
         lease = self.link.call(lambda: self.conn.get(spec.chain, max_blocks=end, req=spec.sreq,
                                                      attempt=spec.attempt or None, step=step))
-        have = 0 if lease is None else max(0, min(lease.count, end) - spec.start)
+        have = 0 if lease is None or lease.stale else max(0, min(lease.count, end) - spec.start)
+        if have:  # the leased bytes against their checksums (integrity.verify_loads): a bad block cuts it
+            have = self.conn.verified(lease, spec.start, have)
         failed = tuple(spec.block_ids[have:])
         job = None
         if have:
@@ -130,7 +133,7 @@ class WorkerSide:
         for spec in plan.stores:
             st = self.link.call(lambda: self.conn.store(spec.chain, l3=self.cfg.store_to_l3, req=spec.sreq,
                                                         attempt=spec.attempt or None, step=plan.step))
-            if st is None or not st.count:
+            if st is None or st.stale or not st.count:
                 continue
             ok = st.start + st.count <= len(spec.block_ids)
             try:

@@ -3,8 +3,14 @@
 Every rank of a TP group asks the sidecar the same question in the same scheduler
 step; the first answer for ``(group, op, request, attempt, step)`` is recorded and
 returned verbatim to every rank of that group, so ranks never need a collective and
-never disagree.  A record is dropped once every rank of the group has read it, or
-after its TTL (a rank that never asks must not pin memory forever).
+never disagree.  A record is dropped once every rank of the group has read it, after
+its TTL (a rank that never asks must not pin memory forever), or when its group leaves
+(a new incarnation of the engine reuses request ids and steps; it must compute afresh).
+
+A record only says what was decided; whether it may still be handed to a rank is the
+caller's check (``KVCore.decided``): block ids are replayed only under a pin the asking
+rank holds.  The TTL is validated to be no longer than what the records point at
+(``limits.decision_ttl_s <= lease_ttl_s, staging_ttl_s``).
 """
 
 from __future__ import annotations
@@ -49,10 +55,17 @@ class DecisionBook:
         self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s)
         self._expiry.push(now + self.ttl_s, key)
 
+    def forget_group(self, group: str) -> int:
+        """Drop every record of ``group`` (its last rank left); returns how many."""
+        gone = [key for key in self.records if key[0] == group]
+        for key in gone:
+            del self.records[key]
+        return len(gone)
+
     def expire(self, now: float) -> int:
         due = self._expiry.pop_due(now)
         for rec in due:
-            del self.records[rec.key]
+            self.records.pop(rec.key, None)
         return len(due)
 
     def next_expiry(self) -> float | None:

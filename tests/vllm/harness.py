@@ -61,7 +61,8 @@ class Engine:
         model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                    max_model_len=1024, seed=0)
         extra_config = {"instance": instance, "model": MODEL, "call_timeout_s": 2.0, "reattach_every_s": 0.05,
-                        "populate": "off", **(extra or {})}
+                        "populate": "off", "verify_loads": "all",
+                        **(extra or {})}
         kv_transfer = KVTransferConfig(kv_connector="KvSidecarConnector",
                                        kv_connector_module_path="connector.vllm_connector", kv_role="kv_both",
                                        kv_load_failure_policy=policy, kv_connector_extra_config=extra_config,

@@ -45,7 +45,7 @@ def test_store_restart_restore_identical_tokens(sidecar_factory, instance, tmp_p
     kv_transfer = {"kv_connector": "KvSidecarConnector", "kv_connector_module_path": "connector.vllm_connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"instance": instance, "model": MODEL, "policy": "wait_complete",
-                                                 "reattach_every_s": 0.05}}
+                                                 "reattach_every_s": 0.05, "verify_loads": "all"}}
     llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, max_model_len=512, max_num_seqs=4,
               dtype="bfloat16", block_size=BLOCK, kv_transfer_config=kv_transfer)
     try:
