@@ -15,9 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The directory holding the ``sidecar`` package this process imported (the repo root in a
-# checkout, site-packages in an installed copy).
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+# This process's ``kvsidecar.sidecar`` (the checkout's sidecar/ under an editable install,
+# site-packages/kvsidecar/sidecar under a wheel): the child must run this very package.
+_PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def launcher_argv() -> list[str]:
@@ -26,39 +26,58 @@ def launcher_argv() -> list[str]:
 
 
 def child_env(env: dict | None = None, cwd: str | None = None) -> dict | None:
-    """``env`` (default: this process's environment) such that ``python -m kvsidecar.sidecar`` started
-    with it in ``cwd`` imports this very package.
+    """``env`` (default: this process's environment) such that ``python -m kvsidecar.sidecar``
+    started with it in ``cwd`` imports this very package.
 
-    An installed kvsidecar (editable or not) needs nothing: None comes back when ``env`` was
-    None, so the child simply inherits.  From a plain checkout that is not installed, the
-    package root is put in front of the child's PYTHONPATH (the child's only: this process's
-    environment is left alone)."""
+    An installed kvsidecar (editable or a wheel) normally needs nothing: ``env`` comes back as
+    given (None: the child simply inherits).  Only where the child would find another
+    ``kvsidecar`` first (one on its PYTHONPATH or in ``cwd``) is the directory that holds this
+    one (site-packages, a build directory) put in front of the child's PYTHONPATH — the child's
+    only: this process's environment is left alone.  An editable install is provided by an
+    import hook, not by a directory, and cannot be put in front: that is a
+    :class:`SidecarStartError` naming both."""
     base = os.environ if env is None else env
     pythonpath = base.get("PYTHONPATH", "")
-    if _finds_this_package(os.path.abspath(cwd or os.getcwd()), pythonpath):
+    found = _child_imports(os.path.abspath(cwd or os.getcwd()), pythonpath)
+    if found == _PACKAGE_DIR:
         return env
+    root = _import_root()
+    if root is None:
+        raise SidecarStartError(f"a child would run kvsidecar.sidecar from {found or 'nowhere'}, "
+                                f"not this process's {_PACKAGE_DIR} (an editable install; remove the "
+                                f"other kvsidecar from PYTHONPATH={pythonpath!r} / the working directory)")
     out = dict(base)
-    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), pythonpath]))
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), pythonpath]))
+    found = _child_imports(os.path.abspath(cwd or os.getcwd()), out["PYTHONPATH"])
+    if found != _PACKAGE_DIR:  # e.g. a regular package ``kvsidecar`` shadows this namespace package
+        raise SidecarStartError(f"a child would run kvsidecar.sidecar from {found or 'nowhere'}, not this "
+                                f"process's {_PACKAGE_DIR}, even with {root} first on its PYTHONPATH")
     return out
 
 
+def _import_root() -> Path | None:
+    """The sys.path directory this kvsidecar is imported from, or None (an editable install's hook)."""
+    top = _PACKAGE_DIR.parent
+    return top.parent if top.name == "kvsidecar" else None
+
+
 @functools.lru_cache(maxsize=16)
-def _finds_this_package(cwd: str, pythonpath: str) -> bool:
-    """Whether a child started in ``cwd`` with ``pythonpath`` imports the package at _PACKAGE_ROOT."""
-    if Path(cwd).resolve() == _PACKAGE_ROOT:
-        return True  # ``-m`` puts the working directory first on sys.path
-    probe = "import sidecar, sys; sys.stdout.write(sidecar.__file__)"
+def _child_imports(cwd: str, pythonpath: str) -> Path | None:
+    """The ``kvsidecar.sidecar`` package directory a child started in ``cwd`` with ``pythonpath``
+    imports (None: it finds none)."""
+    probe = "import kvsidecar.sidecar as s, sys; sys.stdout.write(s.__file__)"
     env = dict(os.environ, PYTHONPATH=pythonpath)
     try:
         r = subprocess.run([sys.executable, "-c", probe], cwd=cwd, env=env, capture_output=True, text=True,
                            timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0 and Path(r.stdout).resolve().parent.parent == _PACKAGE_ROOT
+        return None
+    return Path(r.stdout).resolve().parent if r.returncode == 0 and r.stdout else None
 
 
 class SidecarStartError(RuntimeError):
-    """The sidecar child exited or stayed silent past the deadline."""
+    """The sidecar child would run another kvsidecar (see ``child_env``), exited, or stayed silent
+    past the deadline."""
 
 
 class SidecarProcess:

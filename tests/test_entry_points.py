@@ -1,6 +1,7 @@
 """Entry points: ``python -m kvsidecar.sidecar`` (what ``SidecarProcess`` starts), the console scripts of
-pyproject.toml, the read-only inspector, and a child that must run *this* package even where
-the working directory or PYTHONPATH would give it another one."""
+pyproject.toml, the read-only inspector, and a child that must run *this* kvsidecar even where
+the working directory or PYTHONPATH hold another ``sidecar`` or ``kvsidecar``.  (The installed
+wheel, its one top-level package and SGLang's entry point in a fresh venv: test_packaging.py.)"""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import time
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from kvsidecar.connector.client import SidecarClient
 from kvsidecar.sidecar import spawn
-from kvsidecar.sidecar.spawn import SidecarProcess, child_env, launcher_argv
+from kvsidecar.sidecar.spawn import SidecarProcess, SidecarStartError, child_env, launcher_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,8 +29,6 @@ def test_console_scripts_resolve_to_mains():
     for target in scripts.values():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), target
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    assert {"sidecar", "kvsidecar.sidecar.l3", "shm", "connector", "native"} <= set(packages)
 
 
 def test_python_m_sidecar_is_the_launcher(tmp_path):
@@ -74,8 +75,8 @@ def test_inspector_reads_without_sending_a_request(sidecar, instance):
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["sidecar"]["pid"] == sidecar.pid
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_shm.py"), "--instance", instance],
-                           capture_output=True, text=True, timeout=60, env=child_env(cwd=str(ROOT / "scripts")))
+        r = subprocess.run([sys.executable, "-m", "scripts.inspect_shm", "--instance", instance],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0 and f"sidecar {instance}" in r.stdout, r.stderr
         for _ in range(3):
             assert inspector.main(["--instance", instance, "--json"]) == 0
@@ -97,48 +98,52 @@ def test_inspector_without_sidecar_exits_1(instance, capsys):
 
 
 def _imported_by_child(env, cwd) -> Path:
-    r = subprocess.run([sys.executable, "-c", "import sidecar, sys; sys.stdout.write(sidecar.__file__)"],
+    """The ``kvsidecar.sidecar`` package directory a child started with ``env`` in ``cwd`` imports."""
+    r = subprocess.run([sys.executable, "-c", "import kvsidecar.sidecar as s, sys; sys.stdout.write(s.__file__)"],
                        capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
     assert r.returncode == 0, r.stderr
-    return Path(r.stdout).resolve().parent.parent
+    return Path(r.stdout).resolve().parent
+
+
+def _decoy(root: Path, dotted: str) -> Path:
+    """A package ``dotted`` under ``root`` whose ``__main__`` exits with a message; its parents are
+    namespace portions, as in another kvsidecar's build tree or site-packages."""
+    pkg = root.joinpath(*dotted.split("."))
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(f"raise SystemExit('decoy {dotted}')\n")
+    return root
 
 
 def test_child_runs_this_package_from_anywhere(instance, tmp_path, monkeypatch):
-    """From another directory (installed or not), and with a PYTHONPATH whose ``sidecar`` is a
-    decoy: the child imports this package (its root goes first on the child's PYTHONPATH only
-    where needed), and the sidecar starts."""
-    assert _imported_by_child(child_env(cwd=str(tmp_path)), tmp_path) == spawn._PACKAGE_ROOT
-    decoy = tmp_path / "decoy" / "sidecar"
-    decoy.mkdir(parents=True)
-    (decoy / "__init__.py").write_text("")
-    (decoy / "__main__.py").write_text("raise SystemExit('decoy sidecar')\n")
-    env = dict(os.environ, PYTHONPATH=str(decoy.parent))
+    """From another directory, and beside a top-level ``sidecar`` package of someone else's (PyPI's
+    JupyterLab widget of that name installs one) first on PYTHONPATH: the child runs this
+    kvsidecar with the environment as it is, and the sidecar starts."""
+    assert _imported_by_child(child_env(cwd=str(tmp_path)), tmp_path) == spawn._PACKAGE_DIR
+    env = dict(os.environ, PYTHONPATH=str(_decoy(tmp_path / "other", "sidecar")))
     monkeypatch.chdir(tmp_path)
-    fixed = child_env(env)
-    assert fixed["PYTHONPATH"].split(os.pathsep) == [str(spawn._PACKAGE_ROOT), str(decoy.parent)]
-    assert os.environ.get("PYTHONPATH") != fixed["PYTHONPATH"]  # only the child's environment
+    assert child_env(env) is env  # nothing to fix: the name is kvsidecar.sidecar now
     with SidecarProcess(instance, overrides={"l3.backend": "none", "pool.num_blocks": 16}, env=env) as sp:
         assert sp.proc.poll() is None
+    r = subprocess.run([sys.executable, "-c", "import sidecar, kvsidecar.sidecar"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr  # both import side by side in one process
 
 
-def test_sglang_plugin_entry_point_installs_into_a_fresh_venv(tmp_path):
-    """scripts/sglang/setup_venv.sh installs kvsidecar's metadata with install_metadata.py: in a
-    brand-new virtualenv, SGLang's plugin group then names kvsidecar.connector.sglang_plugin:load from this
-    checkout (what SGLang's load_plugins() discovers in every scheduler process)."""
-    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert eps["sglang.srt.plugins"] == {"kvsidecar": "kvsidecar.connector.sglang_plugin:load"}
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    py = str(venv / "bin" / "python")
-    r = subprocess.run([py, str(ROOT / "scripts" / "sglang" / "install_metadata.py")], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "connector imported from " + str(ROOT) in r.stdout
-    probe = ("from importlib.metadata import entry_points; import json; "
-             "print(json.dumps([[e.name, e.value, e.dist.name] for e in entry_points(group='sglang.srt.plugins')]))")
-    r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert json.loads(r.stdout) == [["kvsidecar", "kvsidecar.connector.sglang_plugin:load", "kvsidecar"]], r.stderr
-    r = subprocess.run([py, "-c", "import importlib.util as u; print(u.find_spec('kvsidecar.connector.sglang_plugin').origin)"],
-                       capture_output=True,
-                       text=True, timeout=60, cwd=tmp_path)
-    assert r.stdout.strip().startswith(str(ROOT)), r.stderr
+def test_child_beside_another_kvsidecar(instance, tmp_path, monkeypatch):
+    """Another ``kvsidecar.sidecar`` first on the child's PYTHONPATH: a wheel-installed kvsidecar goes
+    in front of it (the child's PYTHONPATH only); an editable install (an import hook, no directory
+    to put first) is a SidecarStartError naming both, never a child running the other one."""
+    env = dict(os.environ, PYTHONPATH=str(_decoy(tmp_path / "other", "kvsidecar.sidecar")))
+    monkeypatch.chdir(tmp_path)
+    assert _imported_by_child(env, tmp_path) == tmp_path / "other" / "kvsidecar" / "sidecar"
+    if spawn._import_root() is None:  # editable
+        with pytest.raises(SidecarStartError, match="editable"):
+            SidecarProcess(instance, overrides={"l3.backend": "none", "pool.num_blocks": 16}, env=env)
+        return
+    fixed = child_env(env)
+    assert fixed["PYTHONPATH"].split(os.pathsep) == [str(spawn._import_root()), str(tmp_path / "other")]
+    assert os.environ.get("PYTHONPATH") != fixed["PYTHONPATH"]  # only the child's environment
+    assert _imported_by_child(fixed, tmp_path) == spawn._PACKAGE_DIR
+    with SidecarProcess(instance, overrides={"l3.backend": "none", "pool.num_blocks": 16}, env=env) as sp:
+        assert sp.proc.poll() is None
