@@ -1,7 +1,10 @@
-"""Runnable tools: launcher and inspector wrappers, benchmarks, the engine simulator, the demo.
+"""Runnable tools: launcher and inspector wrappers, benchmarks, the engine simulators, the demo.
 
-Each runs as ``python scripts/X.py`` (with kvsidecar installed, as ``scripts/setup.sh`` does) or
-as ``python -m scripts.X`` from the repo root.  Being a package lets the tests import a tool's
-code (``from scripts import simulate``) from the repo root without touching ``sys.path``.  It is
-not part of the installed distribution (a top-level ``scripts`` package would collide).
+A package, not a folder of scripts: each tool runs as ``python -m scripts.X`` **from the repo
+root** (the working directory is what puts ``scripts`` on ``sys.path``), with kvsidecar installed
+(``scripts/setup.sh`` installs it editable into ``.venv``).  The tools import each other and
+kvsidecar absolutely (``from scripts import trials``, ``from kvsidecar.sidecar.spawn import
+SidecarProcess``), so ``python scripts/X.py`` is not supported.  Being a package also lets the
+tests import a tool's code (``from scripts import simulate``).  Not part of the installed
+distribution, which holds only ``kvsidecar``.
 """

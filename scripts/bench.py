@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """kvsidecar benchmarks: each suite prints a table and writes JSON, with its baseline
 measured in the same run (ratios; these machines are noisy), repeated over interleaved trials:
 every figure is the median of the trials with its spread ``[min..max]``.
@@ -18,10 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-if __package__:
-    from . import trials as trials_mod
-else:  # python scripts/bench.py: this folder is first on sys.path
-    import trials as trials_mod
+from scripts import trials as trials_mod
 
 SUITES = {
     "ring": "bench_ring",
@@ -50,10 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, help="interleaved repetitions (default 5, 3 with --quick)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    # a sibling module: ``python scripts/bench.py`` has this folder first on sys.path,
-    # ``python -m scripts.bench`` (from the repo root) has the ``scripts`` package
-    module = importlib.import_module(f".{SUITES[args.suite]}", __package__) if __package__ \
-        else importlib.import_module(SUITES[args.suite])
+    module = importlib.import_module(f"scripts.{SUITES[args.suite]}")
     if args.suite in REPEATS_ITSELF:
         result = module.run(quick=args.quick)
         t = result.get("trials", 1)

@@ -15,10 +15,7 @@ from kvsidecar.shm.layout import KVLayout  # noqa: E402
 from kvsidecar.sidecar.l3.master import MooncakeMaster  # noqa: E402
 from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
 
-if __package__:
-    from .trials import median as med
-else:  # run from this folder (python scripts/bench.py)
-    from trials import median as med
+from scripts.trials import median as med
 
 
 def run(quick: bool = False) -> dict:

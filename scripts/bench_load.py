@@ -14,10 +14,7 @@ from kvsidecar._native.copy import copy_bytes
 from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.spawn import SidecarProcess
 
-if __package__:
-    from .trials import median as med
-else:  # run from this folder (python scripts/bench.py)
-    from trials import median as med
+from scripts.trials import median as med
 
 
 def _bench_load(quick: bool) -> dict:

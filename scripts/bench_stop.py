@@ -13,10 +13,7 @@ from kvsidecar.connector.kv_client import KVConnector
 from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.spawn import SidecarProcess
 
-if __package__:
-    from .trials import median as med
-else:  # run from this folder (python scripts/bench.py)
-    from trials import median as med
+from scripts.trials import median as med
 
 LAY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, tokens_per_block=16, tp_size=1)  # 32 KiB blocks
 ARMS = {

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The main job: kvsidecar on its embedded defaults beside a simulated TP=2 engine.
 
 Runs the engine simulator's short workload (16K-token shared prefixes restored from a warm L3
@@ -21,10 +20,7 @@ import time
 from kvsidecar.shm.errors import SegmentError
 from kvsidecar.sidecar import inspector
 
-if __package__:  # python -m scripts.demo, from the repo root
-    from . import simulate
-else:  # python scripts/demo.py: this folder is first on sys.path
-    import simulate
+from scripts import simulate
 
 
 def main(argv=None) -> int:

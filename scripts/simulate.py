@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Engine simulator with real processes: N TP ranks, each with a paged KV pool of CPU tensors,
 restoring prefixes through a real kvsidecar process under each prefetch policy arm.
 

@@ -1,7 +1,7 @@
 """Start a sidecar: create segments (mode 0600), run the control loop, clean up on SIGTERM.
 
 ``python -m kvsidecar.sidecar --config node.toml --instance kvs0`` (also the ``kvsidecar-launch`` console
-script and ``scripts/launch_sidecar.py``; see ``main``, which returns the exit code).
+script and ``python -m scripts.launch_sidecar``; see ``main``, which returns the exit code).
 A stale control segment from a dead sidecar is replaced and the generation is
 bumped past it, so clients of the old incarnation fail fast and re-attach.
 A live sidecar under the same instance name is never replaced.

@@ -1,7 +1,7 @@
 """Read-only view of a running sidecar: sessions, leases, pool by state, clients.
 
     kvsidecar-inspect [--instance NAME] [--json] [--watch SECONDS]
-    python scripts/inspect_shm.py [--instance NAME] [--json] [--watch SECONDS]
+    python -m kvsidecar.sidecar.inspector [--instance NAME] [--json] [--watch SECONDS]
 
 It maps the control segment read-only and never sends a request, so it cannot disturb the
 sidecar or its clients.  It imports ``shm`` only (no client, no connector), so nothing here can
