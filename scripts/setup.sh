@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: Debian packages, a virtualenv in .venv with the
-# pinned requirements, and the project installed editable (builds native/).
+# pinned requirements, and the project installed editable (builds the Cython extensions of native/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
@@ -25,9 +25,12 @@ fi
 stamp=.venv/.kvsidecar-setup
 want=$(cat requirements-dev.txt pyproject.toml setup.py native/*.pyx | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+  # -qq: errors only (this machine's pip config names index folders that may be missing, and
+  # pip warns about each); a failing install fails set-up, with pip's own message.
+  .venv/bin/python -m pip install -qq -r requirements-dev.txt
+  # kvsidecar, editable: one import package, kvsidecar.*, mapped onto the checkout (setup.py).
+  # Built in this venv (--no-build-isolation: the pinned Cython above, no index needed).
+  .venv/bin/python -m pip install -qq --no-build-isolation -e .
   .venv/bin/python -c "import kvsidecar._native.atomics, kvsidecar._native.hashing, kvsidecar._native.copy, mooncake.store, torch, msgpack, posix_ipc, prometheus_client"
   echo "$want" > "$stamp"
 fi
