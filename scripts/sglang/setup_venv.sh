@@ -27,7 +27,11 @@ pip() { $V/bin/python -m pip -qq "$@"; }
 # come from the machine's local wheel cache as a matched pair (a lone `pip install torchvision`
 # would pull a CUDA build instead).
 site=$($V/bin/python -c "import site; print(site.getsitepackages()[0])")
-rm -rf "$site/torchvision"  # an earlier import-only stand-in, if any
+# an earlier import-only torchvision stand-in (a bare folder, no distribution), if any; never the
+# real one, which pip would then think installed
+if [ -d "$site/torchvision" ] && ! $V/bin/python -m pip show -qq torchvision >/dev/null 2>&1; then
+  rm -rf "$site/torchvision"
+fi
 pip install torch==2.14.1 torchvision==0.29.1
 pip install --no-deps sglang==0.5.23
 pip install -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
@@ -58,5 +62,5 @@ EOF
 TORCH_EXTENSIONS_DIR="$root/.cache/torch_extensions" SGLANG_CACHE_DIR="$root/.cache/sglang" \
   $V/bin/python -c "from sglang.srt.mem_cache.cpp_utils.native_hash import get_native_hash; get_native_hash()" \
   >/dev/null 2>&1 || echo "note: SGLang's native page hash did not pre-build (it will build on first use)"
-$V/bin/python -c "import sglang, torch; from sglang.srt.mem_cache.hicache_storage import HiCacheStorage; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+$V/bin/python -c "import sglang, torch, torchvision; from sglang.srt.mem_cache.hicache_storage import HiCacheStorage; print('sglang', sglang.__version__, 'torch', torch.__version__, 'torchvision', torchvision.__version__)"
 echo "$want" > "$stamp"
