@@ -21,8 +21,10 @@ want=$( (cat scripts/sglang/requirements.txt scripts/sglang/constraints.txt scri
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
 [ -x $V/bin/python ] || python3 -m venv $V
 # -qq: errors only (this machine's pip config names index folders that may be missing, and pip
-# warns about each one); pip's exit status is the function's.
-pip() { $V/bin/python -m pip -qq "$@"; }
+# warns about each one); --no-warn-conflicts: SGLang is installed without its dependencies on
+# purpose, and pip would list some fifty of them as missing after every install (a report, exit
+# status 0).  pip's exit status is the function's: a failing install fails set-up.
+pip_install() { $V/bin/python -m pip install -qq --no-warn-conflicts "$@"; }
 # SGLang 0.5.23 wants torch 2.14.1, and its configs import torchvision at import time: both
 # come from the machine's local wheel cache as a matched pair (a lone `pip install torchvision`
 # would pull a CUDA build instead).
@@ -32,19 +34,19 @@ site=$($V/bin/python -c "import site; print(site.getsitepackages()[0])")
 if [ -d "$site/torchvision" ] && ! $V/bin/python -m pip show -qq torchvision >/dev/null 2>&1; then
   rm -rf "$site/torchvision"
 fi
-pip install torch==2.14.1 torchvision==0.29.1
-pip install --no-deps sglang==0.5.23
-pip install -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
+pip_install torch==2.14.1 torchvision==0.29.1
+pip_install --no-deps sglang==0.5.23
+pip_install -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
 # The test tools and kvsidecar's build requirements (pyproject.toml), pinned as in
 # requirements-dev.txt (its torch pin does not apply: torch is not asked for here).
-pip install -c requirements-dev.txt pytest pytest-timeout mooncake-transfer-engine-non-cuda setuptools wheel cython
+pip_install -c requirements-dev.txt pytest pytest-timeout mooncake-transfer-engine-non-cuda setuptools wheel cython
 # kvsidecar, editable, with its runtime deps (SGLang's load_plugins() finds
 # kvsidecar.connector.sglang_plugin:load through the sglang.srt.plugins entry point, so it must be
 # installed, not merely importable).  Built in this venv with the pinned Cython.  The build
 # requirements above are why this works: Python 3.11's venv brings setuptools 65 and no `wheel`,
 # and there `pip install --no-build-isolation -e .` stops at "invalid command 'bdist_wheel'" --
 # why this set-up once wrote kvsidecar's dist-info by hand.
-pip install -c requirements-dev.txt --no-build-isolation -e .
+pip_install -c requirements-dev.txt --no-build-isolation -e .
 # a fresh interpreter, away from the checkout: the entry point loads this checkout's plugin
 (cd / && "$root/$V/bin/python" - "$root" <<'EOF'
 import sys
