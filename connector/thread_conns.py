@@ -174,8 +174,11 @@ class ConnectionPool:
                 if not shared:
                     self._down_since = time.monotonic()
                 self._cond.notify_all()
-            then = "sharing this process' other connections" if shared else "storage misses"
-            self._warn(f"{exc}; {then} until a slot is free", shared)
+            if shared:
+                self._warn(f"cannot add a connection ({exc}); this process' threads share the ones it has",
+                           shared)
+            else:
+                self._warn(f"unavailable ({exc}); storage misses until a slot is free", shared)
             return "busy" if shared else "down"
         except KvSidecarError as exc:
             conn.close()
@@ -183,7 +186,7 @@ class ConnectionPool:
                 self._free.append(conn)  # kept: re-attached by a later checkout
                 self._down_since = time.monotonic()
                 self._cond.notify_all()
-            self._warn(f"{exc}: storage misses until it is back", False)
+            self._warn(f"unavailable ({exc}): storage misses until it is back", False)
             return "down"
         with self._cond:
             self._down_since = None
@@ -199,7 +202,7 @@ class ConnectionPool:
             first = not self._warned
             self._warned = True
         if first:
-            log.warning("%s unavailable in thread %s (%s)", self.name, threading.current_thread().name, msg)
+            log.warning("%s in thread %s: %s", self.name, threading.current_thread().name, msg)
         elif not shared:
             log.debug("%s still unavailable: %s", self.name, msg)
 
