@@ -56,6 +56,7 @@ class AdapterConfig:
     store_to_l3: bool = True
     call_timeout_s: float = 2.0
     reattach_every_s: float = 1.0
+    verify_loads: str | None = None  # off | sample | all (None: the connector's default, sample)
 
 
 class EngineAdapter:
@@ -64,8 +65,9 @@ class EngineAdapter:
         self.cfg = config or AdapterConfig()
         self.layout = layout
         self.rank = rank
+        verify = {"verify_loads": self.cfg.verify_loads} if self.cfg.verify_loads else {}
         self.conn = KVConnector(instance, layout, rank=rank, group=group, namespace=namespace,
-                                timeout_s=self.cfg.call_timeout_s)
+                                timeout_s=self.cfg.call_timeout_s, **verify)
         self.slots: dict[str, RestoreSlot] = {}
         self.prefetching: set[str] = set()
         self._chains: dict[str, bytes] = {}

@@ -157,7 +157,8 @@ class KvSidecarHiCacheStorage(_Base):
         cfg = self.config
         self.conns = ConnectionPool(
             lambda: KVConnector(self.instance, self.layout, rank=self.rank, group=self.group,
-                                namespace=self.namespace, timeout_s=cfg.timeout_s, populate=cfg.populate),
+                                namespace=self.namespace, timeout_s=cfg.timeout_s, populate=cfg.populate,
+                                verify_loads=cfg.verify_loads),
             max_connections=cfg.max_connections, reattach_every_s=cfg.reattach_every_s, wait_s=cfg.timeout_s,
             name=f"kvsidecar {self.instance!r} (rank {self.rank})")
         with self.conns.checkout() as conn:
@@ -399,11 +400,12 @@ class KvSidecarHiCacheStorage(_Base):
             def run(c):
                 lease = c.get(chain)
                 try:
-                    if lease.count:
-                        self._copy(c, lease.blocks, host_indices, lease.count, to_host=True)
+                    got = c.verified(lease, 0, lease.count)  # a corrupt block cuts the hit there
+                    if got:
+                        self._copy(c, lease.blocks, host_indices, got, to_host=True)
                 finally:
                     c.release(lease)
-                return lease.count
+                return got
         else:
             off = ref.positions[keys[0]]
             end = off + n
@@ -415,7 +417,7 @@ class KvSidecarHiCacheStorage(_Base):
                 # group-consistent: every rank gets the same blocks for this batch of this request
                 lease = c.get(chain_span(ref.chain, 0, end), req=ref.rid, attempt=ref.attempt or None, step=off)
                 try:
-                    got = max(0, min(lease.count, end) - off)
+                    got = c.verified(lease, off, max(0, min(lease.count, end) - off))
                     if got:
                         self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True)
                 finally:
@@ -481,8 +483,9 @@ class KvSidecarHiCacheStorage(_Base):
             out = []
             try:
                 pool = c.pool.view
+                good = c.verified(lease, 0, lease.count)
                 for i in range(len(keys)):
-                    if i >= lease.count:
+                    if i >= good:
                         out.append(None)
                         continue
                     at = lease.blocks[i] * bb + so

@@ -12,6 +12,14 @@
 
 Requests that carry ``req`` and ``step`` get the group's first answer (DESIGN §6).
 
+Integrity (DESIGN §7): ``commit`` sends the XXH3-64 of this rank's shard of every staged
+block, computed over the bytes in the shared pool after ``save``; a GET hands back the
+checksums of this rank's shards, and ``load`` verifies the leased bytes against them before
+copying: ``verify_loads="all"`` every block, ``"sample"`` (default) one block in
+``SAMPLE_EVERY`` (rotating, so every position is covered over consecutive loads), ``"off"``
+none.  A mismatch raises :class:`~shm.errors.CorruptBlock` (nothing of that load is copied)
+and is counted in ``integrity_stats()``.
+
 At attach the connector maps the pool and, in a background thread, gives every page
 of its mapping a page-table entry (on CUDA: ``cudaHostRegister``s it), so restores
 never fault; ``populate="sync"`` does it inside ``attach``, ``"off"`` not at all.
@@ -22,8 +30,11 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import logging
 
-from shm.errors import RemoteError
+from native.checksum import first_mismatch, region_sums
+from shm.chain import KEY_BYTES
+from shm.errors import CorruptBlock, RemoteError
 from shm.layout import KVLayout
 from shm.segment import Segment
 
@@ -32,7 +43,11 @@ from .hashing import BlockHasher
 from .kv_copy import KVCopier
 from .pool_populate import PoolPopulator, cuda_device_for_attach
 
+log = logging.getLogger(__name__)
+
 POPULATE_MODES = ("background", "sync", "off")
+VERIFY_MODES = ("off", "sample", "all")
+SAMPLE_EVERY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +55,9 @@ class Lease:
     id: int
     blocks: tuple
     count: int
+    stale: bool = False  # a replayed group decision whose lease was gone for this rank: a miss
+    sums: bytes = b""  # XXH3-64 of this rank's shard of each block (8 B each; empty: not checked)
+    keys: bytes = b""  # the chain keys of the leased blocks (what the checksums are bound to)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +67,8 @@ class Staging:
     blocks: tuple
     count: int
     resident: int  # blocks resident before this store
+    stale: bool = False  # a replayed group decision whose staging was gone: nothing to write
+    keys: bytes = b""  # the chain keys of the staged blocks (their checksums are bound to them)
 
 
 def _ids(blob: bytes) -> tuple:
@@ -60,12 +80,18 @@ def _ids(blob: bytes) -> tuple:
 class KVConnector:
     def __init__(self, instance: str, layout: KVLayout, *, rank: int = 0, group: str = "engine",
                  namespace: str = "", timeout_s: float = 5.0, populate: str = "background",
-                 cuda_register="auto", **client_kw):
+                 cuda_register="auto", verify_loads: str = "sample", **client_kw):
         """``populate``: "background" (default), "sync" or "off" — making this rank's mapping
         fault-free at attach.  ``cuda_register``: "auto" (when torch already initialised CUDA
         in this process), True or False — register the mapping with CUDA at attach instead."""
         if populate not in POPULATE_MODES:
             raise ValueError(f"populate must be one of {POPULATE_MODES}")
+        if verify_loads not in VERIFY_MODES:
+            raise ValueError(f"verify_loads must be one of {VERIFY_MODES}")
+        self.verify_loads = verify_loads
+        self.checksums = True  # what the attached sidecar says (integrity.checksums)
+        self._sample_phase = 0
+        self.integrity = {"verified_blocks": 0, "corrupt_blocks": 0, "loads_refused": 0}
         self.populate = populate
         self.cuda_register = cuda_register
         self.populator: PoolPopulator | None = None
@@ -80,6 +106,7 @@ class KVConnector:
     def attach(self) -> dict:
         self._unmap()  # a re-attach (sidecar restart) maps the new incarnation's pool
         info = self.client.attach()
+        self.checksums = bool(info.get("checksums", False))
         try:
             self.pool = Segment.attach(info["pool"])
         except BaseException:
@@ -137,7 +164,8 @@ class KVConnector:
 
     def get(self, chain: bytes, max_blocks: int | None = None, **group) -> Lease:
         r = self.client.call("get", chain=chain, max_blocks=max_blocks, **group)
-        return Lease(r["lease"], _ids(r["blocks"]), r["count"])
+        return Lease(r["lease"], _ids(r["blocks"]), r["count"], bool(r.get("stale")), r.get("sums") or b"",
+                     chain[:KEY_BYTES * r["count"]])
 
     def release(self, lease) -> bool:
         lid = lease.id if isinstance(lease, Lease) else lease
@@ -147,7 +175,8 @@ class KVConnector:
 
     def store(self, chain: bytes, l3: bool = False, **group) -> Staging:
         r = self.client.call("store", chain=chain, l3=l3 or None, ns=self.hasher.namespace or None, **group)
-        return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"])
+        return Staging(r["staging"], r["start"], _ids(r["blocks"]), r["count"], r["resident"], bool(r.get("stale")),
+                       chain[KEY_BYTES * r["start"]:KEY_BYTES * (r["start"] + r["count"])])
 
     def commit(self, staging, ok: bool = True) -> dict:
         """Commit this rank's shard.  A non-writer rank (MLA, rank > 0) has nothing to commit."""
@@ -156,7 +185,48 @@ class KVConnector:
             return {"published": False, "nothing_to_write": True}
         if not self.layout.writes(self.rank) and ok:
             return {"published": None, "writer": False}
-        return self.client.call("commit", staging=sid, ok=ok)
+        sums = None
+        if ok and self.checksums:
+            if not isinstance(staging, Staging):
+                raise TypeError("commit needs the Staging (its blocks are checksummed), not its id")
+            sums = region_sums(self.pool.address, self._shard_offsets(staging.blocks), self.layout.shard_bytes,
+                               staging.keys, self.layout.shard_of(self.rank))
+        return self.client.call("commit", staging=sid, ok=ok, sums=sums)
+
+    def _shard_offsets(self, blocks) -> array.array:
+        L = self.layout
+        base = L.shard_of(self.rank) * L.shard_bytes
+        return array.array("q", (b * L.block_bytes + base for b in blocks))
+
+    def integrity_stats(self) -> dict:
+        """{verified_blocks, corrupt_blocks, loads_refused} of this connector's loads."""
+        return dict(self.integrity)
+
+    def verified(self, lease: Lease, start: int, n: int) -> int:
+        """How many of leased blocks ``[start, start + n)`` may be copied: ``n``, or the offset of
+        the first whose bytes do not match its checksum (per ``verify_loads``; counted)."""
+        if self.verify_loads == "off" or n <= 0:
+            return max(n, 0)
+        if len(lease.sums) < 8 * (start + n) or len(lease.keys) < KEY_BYTES * (start + n):
+            if self.checksums:  # a sidecar that checksums always sends them: treat as corrupt
+                self.integrity["corrupt_blocks"] += 1
+                log.warning("lease %d carries %d checksums for %d blocks", lease.id, len(lease.sums) // 8, start + n)
+                return 0
+            return n  # the sidecar runs with integrity.checksums = false: nothing to check against
+        every = 1 if self.verify_loads == "all" else SAMPLE_EVERY
+        phase = self._sample_phase
+        self._sample_phase = (phase + 1) % SAMPLE_EVERY
+        bad = first_mismatch(self.pool.address, self._shard_offsets(lease.blocks[start:start + n]),
+                             self.layout.shard_bytes, lease.keys[KEY_BYTES * start:KEY_BYTES * (start + n)],
+                             self.layout.shard_of(self.rank), lease.sums[8 * start:8 * (start + n)], every, phase)
+        if bad >= 0:
+            self.integrity["corrupt_blocks"] += 1
+            self.integrity["verified_blocks"] += len(range((-phase) % every, bad, every))
+            log.error("leased block %d (chain position %d) does not match its checksum: not loaded",
+                      lease.blocks[start + bad], start + bad)
+            return bad
+        self.integrity["verified_blocks"] += len(range((-phase) % every, n, every))
+        return n
 
     def restore(self, chain: bytes, timeout_s: float | None = None) -> dict:
         """Whole-chain restore from L3 into the pool (waits until done); then lookup/get."""
@@ -214,7 +284,14 @@ class KVConnector:
 
     # -- copies ---------------------------------------------------------------------------------
     def load(self, lease: Lease, kv_caches, pages, layers=None) -> int:
-        return self.copier.load(lease.blocks[:len(pages)], kv_caches, pages, layers)
+        """Copy this rank's shard of the first ``len(pages)`` leased blocks into ``pages``, after
+        verifying them (``verify_loads``); raises ``CorruptBlock`` before copying on a mismatch."""
+        n = len(pages)
+        good = self.verified(lease, 0, n)
+        if good < n:
+            self.integrity["loads_refused"] += 1
+            raise CorruptBlock(good, lease.blocks[good] if good < len(lease.blocks) else -1)
+        return self.copier.load(lease.blocks[:n], kv_caches, pages, layers)
 
     def save(self, staging: Staging, kv_caches, pages, layers=None) -> int:
         if not self.layout.writes(self.rank):
@@ -222,4 +299,4 @@ class KVConnector:
         return self.copier.save(staging.blocks[:len(pages)], kv_caches, pages, layers)
 
 
-__all__ = ["KVConnector", "Lease", "Staging", "RemoteError"]
+__all__ = ["KVConnector", "Lease", "Staging", "RemoteError", "CorruptBlock"]

@@ -266,7 +266,8 @@ class Engine:
                        tokens_per_block=p.tokens_per_block, tp_size=p.tp)
         longest = max(len(c) // KEY for _, _, c in stream)
         self.pool_blocks = p.pool_blocks or 6 * longest
-        self.core = KVCore(self.loop, lay, self.pool_blocks, LimitsConfig(), clock=self.loop.clock)
+        self.core = KVCore(self.loop, lay, self.pool_blocks, LimitsConfig(), clock=self.loop.clock,
+                           checksums=False)  # block contents are modelled here, not written
         self.contents: dict = {}  # pool block -> the key whose data it holds
         self.source: dict = {}  # pool block -> who wrote it last: "l3" | "engine"
         holds = {c[i:i + KEY] for _, _, c in stream for i in range(0, len(c), KEY)}  # a warm L3

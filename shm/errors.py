@@ -73,5 +73,15 @@ class RemoteError(KvSidecarError):
             return f"E{self.code}"
 
 
+class CorruptBlock(KvSidecarError):
+    """A leased block's bytes do not match the checksum its writer recorded: nothing was
+    loaded from it (the engine recomputes from ``position``)."""
+
+    def __init__(self, position: int, block: int, message: str = ""):
+        super().__init__(message or f"block {block} (chain position {position}) does not match its checksum")
+        self.position = position
+        self.block = block
+
+
 class RequestTimeout(KvSidecarError):
     """A live sidecar did not answer within the caller's deadline."""

@@ -70,7 +70,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "get": OpSchema({"chain": CHAIN}, {"ns": STR, "max_blocks": INT, **_TP}, kv=True),
     "release": OpSchema({"lease": INT}, kv=True),
     "store": OpSchema({"chain": CHAIN}, {"ns": STR, "l3": BOOL, **_TP}, kv=True),
-    "commit": OpSchema({"staging": INT}, {"ok": BOOL}, kv=True),
+    "commit": OpSchema({"staging": INT}, {"ok": BOOL, "sums": BYTES}, kv=True),
     "restore": OpSchema({"chain": CHAIN}, {"ns": STR}, kv=True),
     "flush": OpSchema({}, kv=True),
     "prefetch": OpSchema(

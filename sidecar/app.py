@@ -104,16 +104,21 @@ class SidecarHost:
             # a killed client is seen before its address space is torn down (shm.deathword)
             self.sidecar.liveness.set_death_words(lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
             # the composition root: build the services, wire them to each other once, mount them
-            self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits)
+            self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits,
+                               checksums=cfg.integrity.checksums)
+            if not cfg.integrity.checksums:
+                log.warning("integrity.checksums = false: no block is verified (stores, GETs and L3 reads)")
             l3ops = None
             backend = build_backend(cfg, self)
             if backend is not None:
                 backend.register_pool(self.pool_segment.address, self.pool_segment.size)
+                if self.core.sums is not None:  # each L3 object carries its block's checksum row
+                    backend.register_pool(self.core.sums.address, self.core.sums.size)
                 prior = ReadCostModel(cfg.l3.cost_prior_latency_ms / 1e3,
                                       layout.block_bytes / (cfg.l3.cost_prior_mb_per_s * 1e6))
                 self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
-                                   cost_model=prior)
+                                   cost_model=prior, sums=self.core.sums)
                 l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
             if cfg.metrics.enabled:  # off by default (sidecar.observe.metrics)
                 self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,

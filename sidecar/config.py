@@ -53,6 +53,15 @@ class LimitsConfig:
 
 
 @dataclasses.dataclass
+class IntegrityConfig:
+    # every shard's bytes carry an XXH3-64 checksum computed by its writer (DESIGN §7): commits
+    # must carry them, GET replies hand them to the ranks, L3 objects carry them and every
+    # block read from L3 is verified before it is published.  false exists to measure the
+    # cost (scripts.bench integrity) and is logged as a warning: nothing is verified then.
+    checksums: bool = True
+
+
+@dataclasses.dataclass
 class L3Config:
     """The remote tier.  ``backend``: "file" (embedded, the default), "mooncake" or "none"."""
 
@@ -137,6 +146,7 @@ class SidecarConfig:
     l3: L3Config = dataclasses.field(default_factory=L3Config)
     sessions: SessionsConfig = dataclasses.field(default_factory=SessionsConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    integrity: IntegrityConfig = dataclasses.field(default_factory=IntegrityConfig)
 
     def validate(self) -> None:
         t = self.transport
@@ -160,6 +170,13 @@ class SidecarConfig:
         for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
             if getattr(self.limits, name) < 0:
                 raise ConfigError(f"limits.{name} must be >= 0")
+        lim = self.limits
+        if not (lim.lease_ttl_s > 0 and lim.staging_ttl_s > 0 and lim.decision_ttl_s > 0):
+            raise ConfigError("limits.lease_ttl_s, staging_ttl_s and decision_ttl_s must be positive")
+        if lim.decision_ttl_s > min(lim.lease_ttl_s, lim.staging_ttl_s):
+            # a group decision points at a lease or a staging: it must never outlive them
+            raise ConfigError(f"limits.decision_ttl_s ({lim.decision_ttl_s}) must be <= lease_ttl_s "
+                              f"({lim.lease_ttl_s}) and staging_ttl_s ({lim.staging_ttl_s})")
         policies = ("wait_complete", "timeout", "best_effort", "cost_aware")
         if self.sessions.policy_override not in ("",) + policies or self.sessions.default_policy not in policies:
             raise ConfigError(f"sessions policies must be one of {policies}")

@@ -5,6 +5,20 @@ from __future__ import annotations
 import time
 
 
+def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.005):
+    """Re-check ``pred()`` until it is truthy (returns its value) or ``timeout_s`` passed (raises
+    AssertionError naming ``what``).  For conditions only observable from outside (a reaper, a
+    process exit); a wait the product can signal should use that signal instead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
 def file_l3_overrides(tmp_path, lay, num_blocks: int, **extra) -> dict:
     """Sidecar ``--set`` overrides: ``lay``'s layout, a ``num_blocks`` pool, a file-store L3 under
     ``tmp_path`` (plus ``extra``)."""

@@ -79,9 +79,10 @@ def kv_rank_worker(instance: str, layout_dict: dict, rank: int, group: str, conn
     from shm.layout import KVLayout
 
     lay = KVLayout(**layout_dict)
-    kc = KVConnector(instance, lay, rank=rank, group=group, namespace=namespace)
+    kc = KVConnector(instance, lay, rank=rank, group=group, namespace=namespace, verify_loads="all")
     kv = None
     leases = {}
+    staged = {}  # staging id -> Staging (its commit checksums the blocks)
     while True:
         if not conn.poll(60):
             return
@@ -100,13 +101,14 @@ def kv_rank_worker(instance: str, layout_dict: dict, rank: int, group: str, conn
                 st = kc.store(chain, req=args.get("req"), step=args.get("step"))
                 pages = list(range(st.start, st.start + st.count))
                 kc.save(st, kv, pages)
+                staged[st.id] = st
                 if args.get("commit", True):
-                    r = kc.commit(st, ok=args.get("ok", True))
+                    r = kc.commit(staged.pop(st.id), ok=args.get("ok", True))
                     res = {"staging": st.id, "start": st.start, "count": st.count, "published": r["published"]}
                 else:
                     res = {"staging": st.id, "start": st.start, "count": st.count}
             elif cmd == "commit":
-                res = kc.commit(args["staging"], ok=args.get("ok", True))["published"]
+                res = kc.commit(staged.pop(args["staging"]), ok=args.get("ok", True))["published"]
             elif cmd == "lookup":
                 res = kc.lookup(kc.hasher.chain(args["tokens"]), req=args.get("req"), step=args.get("step"))
             elif cmd == "get_load":  # get + load into fresh tensors, digest of the loaded pages
@@ -144,6 +146,22 @@ def page_pattern(tokens, rank_shard: int, layer: int, kv: int, shape):
     seed = (hash(tuple(tokens)) ^ (rank_shard * 1_000_003 + layer * 101 + kv)) & 0x7FFFFFFF
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-500, 500, shape, generator=g).to(torch.float16)
+
+
+def chain_kv(layout_dict: dict, rank: int, tokens):
+    """One rank's engine KV for a chain, page ``p`` holding ``page_pattern`` of the tokens up to
+    and including block ``p``: two chains never share a page's bytes, so a rank handed another
+    chain's blocks copies visibly wrong KV."""
+    import torch
+
+    from shm.layout import KVLayout
+
+    lay = KVLayout(**layout_dict)
+    tpb, n = lay.tokens_per_block, len(tokens) // lay.tokens_per_block
+    shape = (lay.tokens_per_block, lay.heads_per_shard, lay.head_dim)
+    shard = lay.shard_of(rank)
+    return [tuple(torch.stack([page_pattern(tokens[:(p + 1) * tpb], shard, layer, k, shape) for p in range(n)])
+                  for k in range(lay.kv_factor)) for layer in range(lay.num_layers)]
 
 
 def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, seed: int, steps: int,

@@ -48,7 +48,7 @@ def test_write_read_exists_and_integrity(tmp_path):
 
 
 def test_size_cap_evicts_lru(tmp_path):
-    fs = FileStore(str(tmp_path / "l3"), cap_bytes=5 * (1024 + 32))
+    fs = FileStore(str(tmp_path / "l3"), cap_bytes=5 * (1024 + 40))  # 40: the header
     _, sa = buf(1024)
     for i in range(5):
         assert fs.write([f"k{i}"], [sa], 1024) == [True]

@@ -3,8 +3,14 @@
 Every rank of a TP group asks the sidecar the same question in the same scheduler
 step; the first answer for ``(group, op, request, attempt, step)`` is recorded and
 returned verbatim to every rank of that group, so ranks never need a collective and
-never disagree.  A record is dropped once every rank of the group has read it, or
-after its TTL (a rank that never asks must not pin memory forever).
+never disagree.  A record is dropped once every rank of the group has read it, after
+its TTL (a rank that never asks must not pin memory forever), or when its group leaves
+(a new incarnation of the engine reuses request ids and steps; it must compute afresh).
+
+A record only says what was decided; whether it may still be handed to a rank is the
+caller's check (``KVCore.decided``): block ids are replayed only under a pin the asking
+rank holds.  The TTL is validated to be no longer than what the records point at
+(``limits.decision_ttl_s <= lease_ttl_s, staging_ttl_s``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ class Decision:
     readers: set
     group_size: int
     expires: float
+    question: bytes = b""  # a digest of what was asked (the chain): a replay must ask the same
 
 
 class DecisionBook:
@@ -31,8 +38,8 @@ class DecisionBook:
         self.hits = 0
         self.made = 0
 
-    def lookup(self, key: tuple, rank: int) -> dict | None:
-        """The recorded answer for ``key`` (and mark ``rank`` as having read it), or None."""
+    def lookup(self, key: tuple, rank: int) -> Decision | None:
+        """The record for ``key`` (and mark ``rank`` as having read it), or None."""
         rec = self.records.get(key)
         if rec is None:
             return None
@@ -40,19 +47,27 @@ class DecisionBook:
         self.hits += 1
         if len(rec.readers) >= rec.group_size:
             del self.records[key]
-        return rec.result
+        return rec
 
-    def record(self, key: tuple, rank: int, group_size: int, result: dict, now: float) -> None:
+    def record(self, key: tuple, rank: int, group_size: int, result: dict, now: float,
+               question: bytes = b"") -> None:
         self.made += 1
         if group_size <= 1:
             return
-        self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s)
+        self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s, question)
         self._expiry.push(now + self.ttl_s, key)
+
+    def forget_group(self, group: str) -> int:
+        """Drop every record of ``group`` (its last rank left); returns how many."""
+        gone = [key for key in self.records if key[0] == group]
+        for key in gone:
+            del self.records[key]
+        return len(gone)
 
     def expire(self, now: float) -> int:
         due = self._expiry.pop_due(now)
         for rec in due:
-            del self.records[rec.key]
+            self.records.pop(rec.key, None)
         return len(due)
 
     def next_expiry(self) -> float | None:

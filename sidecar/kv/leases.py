@@ -108,6 +108,22 @@ class LeaseTable:
             self.drop(lease, "released")
         return True
 
+    def join(self, lease_id: int, group: str, rank: int) -> bool:
+        """Give ``rank`` a share of the live group lease ``lease_id`` (no-op if it holds one).
+
+        The one way a replayed group answer becomes safe for a rank that holds no share (it
+        was away when the lease was made, or died and came back): its blocks are still
+        pinned by the others, so the ids are the right bytes, and from here until this rank
+        releases they stay pinned on its behalf too.  False when the lease is gone (released,
+        expired, its group gone) or is not this group's: the ids must not be handed out."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.holders is None or lease.group != group:
+            return False
+        if rank not in lease.holders:
+            lease.holders.add(rank)
+            self.counters["shares_joined"] += 1
+        return True
+
     def client_gone(self, owner: tuple, group: str | None, rank: int) -> int:
         """Release everything a dead or detached client held; returns leases touched."""
         touched = 0

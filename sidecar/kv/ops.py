@@ -11,10 +11,12 @@ import collections
 import logging
 import time
 
+from native.hashing import murmur3_128
 from shm.chain import count as id_count, length as chain_len
 from shm.errors import ErrorCode
 from shm.layout import KVLayout
 
+from sidecar.kv.checksums import ChecksumTable
 from sidecar.kv.decisions import DecisionBook
 from sidecar.kv.index import PrefixIndex
 from sidecar.kv.leases import LeaseError, LeaseTable
@@ -25,8 +27,17 @@ from sidecar.kv.staging import StagingTable
 log = logging.getLogger(__name__)
 
 
+def _question(msg: dict) -> bytes:
+    """What a group decision answered: a digest of the chain and the bound it was asked with."""
+    chain = msg.get("chain")
+    if chain is None:
+        return b""
+    return murmur3_128(chain + str(msg.get("max_blocks")).encode())
+
+
 class KVCore(Service):
-    def __init__(self, sidecar: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic):
+    def __init__(self, sidecar: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic,
+                 checksums: bool = True):
         self.clock = clock  # injected: the executor bench drives a fake clock
         self.sidecar = sidecar
         self.layout = layout
@@ -39,6 +50,8 @@ class KVCore(Service):
                                 pinned_limit_bytes=limits.pinned_bytes_limit or pool_bytes)
         self.staging = StagingTable(self.pool)
         self.decisions = DecisionBook(limits.decision_ttl_s)
+        # one XXH3-64 per (block, shard), written by the block's writer (integrity.checksums)
+        self.sums = ChecksumTable(num_blocks, layout.num_shards) if checksums else None
         self._reaper_due = float("inf")
         # Every holder of pins or staging outside the lease and staging tables (prefetch
         # sessions) registers here, so the books balance while they run: each provides
@@ -90,23 +103,76 @@ class KVCore(Service):
     def decided(self, conn, op, msg, compute):
         """Replay the group's recorded answer for this step, or compute and record it."""
         key = self._decision_key(conn, op, msg)
+        question = _question(msg) if key is not None else b""
         if key is not None:
-            prior = self.decisions.lookup(key, conn.info.rank)
-            if prior is not None:
-                if "error" in prior:
-                    raise OpError(prior["error"][0], prior["error"][1])
-                return dict(prior)
+            rec = self.decisions.lookup(key, conn.info.rank)
+            if rec is not None:
+                if rec.question != question:  # the same (req, step) asked about another chain
+                    return self._stale(conn, op, rec.result, "conflicting")
+                if "error" in rec.result:
+                    raise OpError(rec.result["error"][0], rec.result["error"][1])
+                return self._replayable(conn, op, rec.result)
         try:
             result = compute(key is not None)
         except OpError as exc:
             if key is not None:  # a refusal is a decision too: every rank gets it
                 self.decisions.record(key, conn.info.rank, conn.info.group_size,
-                                      {"error": (exc.code, exc.message)}, self.clock())
+                                      {"error": (exc.code, exc.message)}, self.clock(), question)
             raise
         if key is not None:
-            self.decisions.record(key, conn.info.rank, conn.info.group_size, result, self.clock())
+            self.decisions.record(key, conn.info.rank, conn.info.group_size, result, self.clock(), question)
             self.arm_reaper(self.decisions.next_expiry())
         return dict(result)
+
+    def _replayable(self, conn, op: str, prior: dict) -> dict:
+        """The group's recorded answer as this rank may receive it (DESIGN §6).
+
+        The rule, enforced here for every replay: block ids in a reply are backed by a pin
+        the receiving rank holds until it releases.  A GET's ids are replayed only while
+        their group lease lives, and the rank gets a share of it if it had none (it was
+        away when the lease was made, or came back after dying); a store's ids only while
+        the staging is open and still waits for this rank's shard (a rank that writes nothing, MLA,
+        gets the decision without ids).  Otherwise the rank
+        gets a *stale miss* — ``count`` 0, no ids, ``stale: True`` — and ``decisions_stale``
+        counts it: every caller already recomputes on a miss (SGLang's MIN all-reduce of
+        the completed pages then makes the whole group recompute that request), so a rank
+        that came back can neither load another chain's bytes nor write into them.
+        ``lookup`` and ``poll`` answers carry no block ids and replay as recorded."""
+        out = dict(prior)
+        if not out.get("count"):
+            return out
+        info = conn.info
+        if op == "get":
+            if self.leases.join(out["lease"], info.group, info.rank):
+                return out
+        elif op == "store":
+            if not self.layout.writes(info.rank):  # (MLA) it writes nothing: the ids are not its to use
+                out["blocks"] = b""
+                return out
+            st = self.staging.records.get(out["staging"])
+            if st is not None and st.group == info.group and info.rank in st.writers:
+                return out
+        else:  # an op whose answer carries ids must say here how they stay backed
+            raise AssertionError(f"replay of {op!r} with a block count has no backing rule")
+        return self._stale(conn, op, prior, "stale")
+
+    def _stale(self, conn, op: str, prior: dict, why: str) -> dict:
+        """The miss a rank gets instead of a replay it may not follow (``decisions_<why>``):
+        ``stale`` — what the record points at is gone for it; ``conflicting`` — it asked this
+        (req, step) about another chain than the rank that decided (a reused request id)."""
+        if op == "get":
+            out = {"lease": 0, "blocks": b"", "count": 0}
+        elif op == "store":
+            out = {"staging": 0, "blocks": b"", "count": 0, "start": prior.get("start", 0),
+                   "resident": prior.get("resident", 0)}
+        elif op == "lookup":
+            out = {"hit": 0}
+        else:
+            raise AssertionError(f"no stale answer for {op!r}")
+        out["stale"] = True
+        self.sidecar.counters[f"decisions_{why}"] += 1
+        log.info("%s %s replay for group %r rank %d: answered as a miss", why, op, conn.info.group, conn.info.rank)
+        return out
 
     def arm_reaper(self, due) -> None:
         if due is not None and due < self._reaper_due:
@@ -139,6 +205,9 @@ class KVCore(Service):
             # the whole group left: shares and commits owed by ranks that never attached die with it
             self.leases.group_gone(info.group)
             self.staging.group_gone(info.group)
+            # and its decisions: a new incarnation (an engine restarted under the same group
+            # name) reuses request ids and steps, and must never be answered from the old one
+            self.decisions.forget_group(info.group)
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:
@@ -176,6 +245,8 @@ class KVCore(Service):
 
         result = self.decided(conn, "get", msg, compute)
         self.sidecar.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
+        if self.sums is not None and result["count"]:  # this rank's column: its blocks are pinned
+            result["sums"] = self.sums.column(result["blocks"], self.layout.shard_of(conn.info.rank))
         if self._after_get is not None:
             self._after_get(conn, msg)
         return result
@@ -221,6 +292,13 @@ class KVCore(Service):
         if msg.get("ok", True) is False:
             self.staging.abort(st, "failed")
             return {"published": False, "aborted": True}
+        if self.sums is not None:
+            sums = msg.get("sums")
+            if sums is None or len(sums) != 8 * st.count:
+                self.sidecar.counters["commit_bad_checksums"] += 1
+                raise OpError(ErrorCode.BAD_FIELD, f"commit of staging {st.id} needs 'sums': 8 bytes per block "
+                                                   f"({8 * st.count}), got {None if sums is None else len(sums)}")
+            self.sums.record(st.blocks, self.layout.shard_of(conn.info.rank), sums)
         done = self.staging.commit(st, conn.info.rank)
         if done and self._after_publish is not None:
             self._after_publish(st)

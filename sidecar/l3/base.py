@@ -7,6 +7,10 @@ threads, never from the control thread, and must return in bounded time.
 
 Keys are strings built by the tier (namespace + layout fingerprint + block hash);
 addresses point into the pool mapping; every block of a call has the same ``size``.
+An object is the block's ``size`` bytes followed, when ``tails`` are given, by ``tail_size``
+bytes from / to its own address (the block's checksum row, ``sidecar.kv.checksums``): one
+object, one transfer, written and read together.  An object whose stored size is not
+``size + tail_size`` is a failed read, never a partial one.
 """
 
 from __future__ import annotations
@@ -25,19 +29,24 @@ class L3Backend(abc.ABC):
     max_batch = 1024  # keys per call (Mooncake's limit; others accept it too)
 
     def register_pool(self, address: int, size: int) -> None:
-        """Called once with the pool mapping (zero-copy backends register it)."""
+        """Called once per mapping the tier moves bytes from or to (the pool, the checksum
+        table); zero-copy backends register each."""
 
     @abc.abstractmethod
     def exists(self, keys: list[str]) -> list[bool]:
         """Per-key presence."""
 
     @abc.abstractmethod
-    def read(self, keys: list[str], addrs: list[int], size: int) -> list[bool]:
-        """Read each key's ``size`` bytes to its address; True only when the bytes landed intact."""
+    def read(self, keys: list[str], addrs: list[int], size: int, tails: list[int] | None = None,
+             tail_size: int = 0) -> list[bool]:
+        """Read each key's ``size`` bytes to its address (and its ``tail_size`` trailer to its
+        tail address); True only when all of it landed."""
 
     @abc.abstractmethod
-    def write(self, keys: list[str], addrs: list[int], size: int) -> list[bool]:
-        """Write ``size`` bytes from each address; True only when that key is durably stored."""
+    def write(self, keys: list[str], addrs: list[int], size: int, tails: list[int] | None = None,
+              tail_size: int = 0) -> list[bool]:
+        """Write ``size`` bytes from each address (then ``tail_size`` from its tail address);
+        True only when that key is durably stored."""
 
     def stats(self) -> dict:
         return {}

@@ -2,9 +2,10 @@
 
 * **Atomic writes**: data goes to a temporary file in the same directory, then
   ``rename`` — a reader sees the old state or the whole new file, never a torn one.
-* **Integrity on read**: each file is ``[magic u64][length u64][murmur3-128 of the data][data]``;
-  a wrong magic, length or checksum (a corrupt or truncated file) is a **miss** — the
-  file is removed and the block is never published.
+* **Integrity on read**: each file is ``[magic u64][length u64][tail length u64][murmur3-128 of
+  the data][data][tail]`` (the tail: the block's checksum row, which the tier verifies the
+  block against); a wrong magic, length or digest (a corrupt or truncated file) is a **miss**
+  — the file is removed and the block is never published.
 * **Size cap with eviction**: when the total would exceed ``cap_bytes``, least recently
   used files (by mtime, refreshed on read) are removed first.
 * A full disk or any I/O error fails that block only.
@@ -25,8 +26,8 @@ from sidecar.l3.base import L3Backend
 
 log = logging.getLogger(__name__)
 
-MAGIC = 0x314B4C4253564B  # "KVSBLK1"
-_HDR = struct.Struct("<QQ16s")
+MAGIC = 0x324B4C4253564B  # "KVSBLK2"
+_HDR = struct.Struct("<QQQ16s")
 
 
 class FileStore(L3Backend):
@@ -64,27 +65,29 @@ class FileStore(L3Backend):
     def exists(self, keys):
         return [os.path.exists(self._path(k)) for k in keys]
 
-    def read(self, keys, addrs, size):
-        out = []
-        for key, addr in zip(keys, addrs):
-            out.append(self._read_one(self._path(key), addr, size))
-        return out
+    def read(self, keys, addrs, size, tails=None, tail_size=0):
+        tails = tails or [0] * len(keys)
+        return [self._read_one(self._path(key), addr, size, tail, tail_size if tail else 0)
+                for key, addr, tail in zip(keys, addrs, tails)]
 
-    def _read_one(self, path: str, addr: int, size: int) -> bool:
+    def _read_one(self, path: str, addr: int, size: int, tail: int, tail_size: int) -> bool:
         try:
             with open(path, "rb") as f:
                 hdr = f.read(_HDR.size)
                 if len(hdr) != _HDR.size:
                     raise ValueError("truncated header")
-                magic, length, digest = _HDR.unpack(hdr)
-                if magic != MAGIC or length != size:
-                    raise ValueError(f"bad header (magic {magic:#x}, length {length}, want {size})")
+                magic, length, tail_length, digest = _HDR.unpack(hdr)
+                if magic != MAGIC or length != size or tail_length != tail_size:
+                    raise ValueError(f"bad header (magic {magic:#x}, length {length}+{tail_length}, "
+                                     f"want {size}+{tail_size})")
                 dst = (ctypes.c_char * size).from_address(addr)
                 got = f.readinto(dst)
                 if got != size:
                     raise ValueError(f"truncated data ({got} of {size} bytes)")
                 if murmur3_128(memoryview(dst).cast("B")) != digest:
                     raise ValueError("checksum mismatch")
+                if tail_size and f.readinto((ctypes.c_char * tail_size).from_address(tail)) != tail_size:
+                    raise ValueError("truncated tail")
             os.utime(path)
             with self._lock:
                 if path in self._sizes:
@@ -100,11 +103,13 @@ class FileStore(L3Backend):
             self._remove(path)
             return False
 
-    def write(self, keys, addrs, size):
-        return [self._write_one(self._path(k), a, size) for k, a in zip(keys, addrs)]
+    def write(self, keys, addrs, size, tails=None, tail_size=0):
+        tails = tails or [0] * len(keys)
+        return [self._write_one(self._path(k), a, size, t, tail_size if t else 0)
+                for k, a, t in zip(keys, addrs, tails)]
 
-    def _write_one(self, path: str, addr: int, size: int) -> bool:
-        need = _HDR.size + size
+    def _write_one(self, path: str, addr: int, size: int, tail: int, tail_size: int) -> bool:
+        need = _HDR.size + size + tail_size
         if self.cap and need > self.cap:
             self.counters["write_too_big"] += 1
             return False
@@ -114,8 +119,10 @@ class FileStore(L3Backend):
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             data = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
             with open(tmp, "wb") as f:
-                f.write(_HDR.pack(MAGIC, size, murmur3_128(data)))
+                f.write(_HDR.pack(MAGIC, size, tail_size, murmur3_128(data)))
                 f.write(data)
+                if tail_size:
+                    f.write(memoryview((ctypes.c_char * tail_size).from_address(tail)).cast("B"))
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())

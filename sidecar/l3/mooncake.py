@@ -76,19 +76,28 @@ class MooncakeBackend(L3Backend):
             out.extend(c == 1 for c in codes)
         return out
 
-    def read(self, keys, addrs, size):
+    def read(self, keys, addrs, size, tails=None, tail_size=0):
         out = []
+        total = size + (tail_size if tails else 0)
         for a, b in batched(len(keys), self.max_batch):
-            codes = self.store.batch_get_into(keys[a:b], list(addrs[a:b]), [size] * (b - a))
+            if tails:  # block + checksum row as one object, into two registered buffers
+                codes = self.store.batch_get_into_multi_buffers(
+                    keys[a:b], [[d, t] for d, t in zip(addrs[a:b], tails[a:b])], [[size, tail_size]] * (b - a))
+            else:
+                codes = self.store.batch_get_into(keys[a:b], list(addrs[a:b]), [size] * (b - a))
             self._count(codes)
-            out.extend(c == size for c in codes)
+            out.extend(c == total for c in codes)
         self.counters["read_ok"] += sum(out)
         return out
 
-    def write(self, keys, addrs, size):
+    def write(self, keys, addrs, size, tails=None, tail_size=0):
         out = []
         for a, b in batched(len(keys), self.max_batch):
-            codes = self.store.batch_put_from(keys[a:b], list(addrs[a:b]), [size] * (b - a))
+            if tails:
+                codes = self.store.batch_put_from_multi_buffers(
+                    keys[a:b], [[d, t] for d, t in zip(addrs[a:b], tails[a:b])], [[size, tail_size]] * (b - a))
+            else:
+                codes = self.store.batch_put_from(keys[a:b], list(addrs[a:b]), [size] * (b - a))
             self._count(codes)
             out.extend(c == 0 for c in codes)
         self.counters["write_ok"] += sum(out)

@@ -61,7 +61,7 @@ class ShapedBackend(L3Backend):
             self._closed.wait(self.latency_s)
         return self.inner.exists(keys)
 
-    def read(self, keys, addrs, size):
+    def read(self, keys, addrs, size, tails=None, tail_size=0):
         with self._lock:
             self.calls += 1
             self.in_flight += 1
@@ -69,7 +69,7 @@ class ShapedBackend(L3Backend):
             while not self._hang.is_set() and not self._closed.is_set():
                 self._hang.wait(0.5)
             self._delay(size * len(keys))
-            ok = self.inner.read(keys, addrs, size)
+            ok = self.inner.read(keys, addrs, size, tails, tail_size)
             return [o and not self._fails(i, len(keys), k) for i, (o, k) in enumerate(zip(ok, keys))]
         finally:
             with self._lock:
@@ -86,9 +86,9 @@ class ShapedBackend(L3Backend):
             return any(s in key for s in self.fail_keys)
         return False
 
-    def write(self, keys, addrs, size):
+    def write(self, keys, addrs, size, tails=None, tail_size=0):
         self._delay(size * len(keys))
-        return self.inner.write(keys, addrs, size)
+        return self.inner.write(keys, addrs, size, tails, tail_size)
 
     def stats(self):
         return {**self.inner.stats(), "shaped": True, "calls": self.calls}

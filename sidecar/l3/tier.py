@@ -2,8 +2,14 @@
 
 Policy runs here (which keys, which pool blocks, what to publish); the bytes move on
 the worker lanes.  Every completion comes back to the control thread as an event.
-L3 keys are ``kvs1/<layout fingerprint>/<namespace>/<block hash>``: the namespace and
+L3 keys are ``kvs2/<layout fingerprint>/<namespace>/<block hash>``: the namespace and
 the layout are in every key, so two namespaces or layouts never share an object.
+
+Integrity (with a checksum table): an object is the block followed by its checksum row
+(one XXH3-64 per shard, written by the block's writers); a read lands both in one transfer
+and the read lane verifies every landed block against its row before the result goes back
+— a block whose bytes do not match is a failed block (``read_blocks_corrupt``), so it is
+never published and the session's prefix ends before it.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ import dataclasses
 import logging
 import time
 
-from shm.chain import count as id_count, keys as chain_keys
-from sidecar.kv.index import unpack_ids
+from shm.chain import KEY_BYTES, count as id_count, keys as chain_keys
+from sidecar.kv.checksums import ChecksumTable
+from sidecar.kv.index import pack_ids, unpack_ids
 from sidecar.l3.base import L3Backend
 from sidecar.l3.cost_model import ReadCostModel, ReadEstimate
 from sidecar.l3.workers import Job, Lane
@@ -70,9 +77,10 @@ class ReadResult:
 
 class L3Tier:
     def __init__(self, backend: L3Backend, post, *, fingerprint: bytes, pool_address: int, block_bytes: int,
-                 cost_model: ReadCostModel | None = None):
+                 cost_model: ReadCostModel | None = None, sums: ChecksumTable | None = None):
         self.backend = backend
-        self.prefix = f"kvs1/{fingerprint.hex()}"
+        self.sums = sums
+        self.prefix = f"kvs2/{fingerprint.hex()}"
         self.pool_address = pool_address
         self.block_bytes = block_bytes
         self.meta = Lane("l3-meta", post)
@@ -125,10 +133,24 @@ class L3Tier:
         """Read ``chain``'s blocks into pool ``blocks``; ``done(ReadResult)`` on the control thread."""
         keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), id_count(blocks)
         size = self.block_bytes
+        sums = self.sums
+        tails = sums.row_addresses(unpack_ids(blocks)) if sums is not None else None
+        corrupt = [0]
 
-        def work():
+        def work():  # (on the read lane)
             t0 = time.monotonic()
-            return ReadResult(list(self.backend.read(keys, addrs, size)), time.monotonic() - t0)
+            ok = list(self.backend.read(keys, addrs, size, tails, sums.row_bytes if sums else 0))
+            if sums is not None and any(ok):
+                ids = unpack_ids(blocks)
+                landed = [i for i, o in enumerate(ok) if o]
+                match = sums.verify(self.pool_address, size, pack_ids([ids[i] for i in landed]),
+                                    b"".join(chain[KEY_BYTES * i:KEY_BYTES * (i + 1)] for i in landed))
+                for i, m in zip(landed, match):
+                    if not m:
+                        ok[i] = False
+                        corrupt[0] += 1
+                        log.warning("L3 object %s does not match its checksum: not published", keys[i])
+            return ReadResult(ok, time.monotonic() - t0)
 
         def finish(result, error):
             if error is not None or result is None:
@@ -136,6 +158,7 @@ class L3Tier:
             good = result.landed
             self.counters["read_blocks_ok"] += good
             self.counters["read_blocks_failed"] += n - good
+            self.counters["read_blocks_corrupt"] += corrupt[0]
             if good:
                 sample = result.seconds / n
                 prev = self.read_s_per_block
@@ -156,6 +179,8 @@ class L3Tier:
         """Write pool ``blocks`` under ``chain``'s keys; ``done(per_block_ok)``."""
         keys, addrs, n = self.keys(ns, chain), self.addrs(blocks), id_count(blocks)
         size = self.block_bytes
+        sums = self.sums
+        tails = sums.row_addresses(unpack_ids(blocks)) if sums is not None else None
 
         def finish(ok, error):
             if error is not None or ok is None:
@@ -164,7 +189,8 @@ class L3Tier:
             self.counters["put_blocks_failed"] += n - sum(ok)
             done(ok)
 
-        self.writer.submit(lambda: self.backend.write(keys, addrs, size), finish)
+        self.writer.submit(lambda: self.backend.write(keys, addrs, size, tails, sums.row_bytes if sums else 0),
+                           finish)
 
     def stats(self) -> dict:
         est = self.cost.estimate()

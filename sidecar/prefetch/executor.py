@@ -82,6 +82,9 @@ class SessionManager(Service):
         key = self._key(conn, msg)
         rec = self.records.get(key)
         if rec is not None:  # another rank (or a retry) of the same request: one session
+            if rec.chain != msg["chain"]:
+                raise OpError(ErrorCode.BAD_FIELD, f"request {msg['req']!r} (attempt {key[2]}) already has a "
+                                                   "session over another chain (a reused request id?)")
             return self._view(rec, existed=True)
         c = self.cfg
         policy = c.policy_override or msg.get("policy") or c.default_policy
@@ -566,6 +569,10 @@ class SessionManager(Service):
                 if rec.result_lease is not None:
                     self.core.leases.drop(rec.result_lease, "client_gone")
                     rec.result_lease = None
+                # the key is free at once: a new incarnation of the group reusing the request
+                # id starts its own session (this one finishes its drain under its id)
+                if self.records.get(rec.key) is rec:
+                    del self.records[rec.key]
 
     def pins_per_block(self) -> collections.Counter:
         """Pins held by running sessions (a terminal session's result is a lease)."""

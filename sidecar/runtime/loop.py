@@ -406,7 +406,7 @@ class Sidecar:
         self.ctl.set_slot(conn.slot, conn.pid, SLOT_ACTIVE)
         self.counters["attaches"] += 1
         return {"slot": conn.slot, "generation": self.ctl.generation, "pool": self.ctl.pool_name,
-                "layout": self.layout or {}}
+                "layout": self.layout or {}, "checksums": self.cfg.integrity.checksums}
 
     def _op_detach(self, conn: ClientConn, msg: dict) -> dict:
         conn.detaching = True

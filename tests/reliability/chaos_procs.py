@@ -12,14 +12,15 @@ def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: i
     import torch
 
     from connector.kv_client import KVConnector
-    from shm.errors import KvSidecarError
+    from shm.errors import CorruptBlock, KvSidecarError
     from shm.layout import KVLayout
 
-    from ..procs import make_kv
+    from ..procs import chain_kv
 
     lay = KVLayout(**layout_dict)
     kc = KVConnector(instance, lay, rank=rank, group=group, timeout_s=5.0)
-    kv = make_kv(layout_dict, rank, pages, seed)  # the same (seed, rank) gives the same pattern
+    def kv_of(tokens):  # a pure function of the chain: every writer agrees, two chains never do
+        return chain_kv(layout_dict, rank, tokens)
 
     def phase(name: str, args: dict) -> None:
         """Announce ``name``; with ``hold`` wait there for the parent's "go" (or its kill -9)."""
@@ -39,20 +40,25 @@ def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: i
                 chain = kc.hasher.chain(args["tokens"])
                 st = kc.store(chain, req=args["req"], step=args["step"], l3=args.get("l3", False))
                 phase("saving", args)
-                kc.save(st, kv, list(range(st.start, st.start + st.count)))
+                kc.save(st, kv_of(args["tokens"]), list(range(st.start, st.start + st.count)))
                 r = kc.commit(st)
                 res = {"count": st.count, "published": r.get("published")}
             elif cmd == "get_load":
                 chain = kc.hasher.chain(args["tokens"])
                 lease = kc.get(chain, req=args["req"], step=args["step"])
+                kv = kv_of(args["tokens"])
                 out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
                 phase("loading", args)
-                kc.load(lease, out, list(range(lease.count)))
+                try:
+                    kc.load(lease, out, list(range(lease.count)))  # verifies every block first
+                    refused = 0
+                except CorruptBlock:
+                    refused = 1  # caught, not loaded: counted apart from pages that slipped through
                 n = lease.count
                 corrupt = sum(int(not torch.equal(a[p], b[p])) for la, lb in zip(kv, out) for a, b in zip(la, lb)
-                              for p in range(n))
+                              for p in range(n)) if not refused else 0
                 kc.release(lease)
-                res = {"count": n, "corrupt_pages": corrupt}
+                res = {"count": n, "corrupt_pages": corrupt, "refused": refused, "stale": lease.stale}
             elif cmd == "prefetch":
                 chain = kc.hasher.chain(args["tokens"])
                 kc.prefetch(chain, args["req"], policy=args.get("policy", "timeout"), budget_s=args.get("budget_s"),

@@ -12,7 +12,7 @@ from connector.kv_client import KVConnector
 from shm.layout import KVLayout
 
 from .. import procs
-from ..helpers import file_l3_overrides, fill_l3, small_kv, wait_terminal
+from ..helpers import file_l3_overrides, fill_l3, small_kv, wait_terminal, wait_until
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 24
@@ -36,11 +36,9 @@ def test_books_balance_while_sessions_are_in_flight_and_a_stuck_read_is_left_beh
     sp = sidecar_factory(**overrides(tmp_path, **{"l3.hang": True, "sessions.drain_timeout_s": 0.3}))
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "r", policy="timeout", budget_s=5.0, chunk_max_blocks=8)
-        # wait (bounded) until the first chunk is staged and its read started
-        deadline = time.monotonic() + 10
-        while c.stats()["pool"]["staging"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        # wait (bounded) until the first chunk is staged and its read started (is on the lane,
+        # not queued: a queued read would be withdrawn by the abort, not left behind)
+        wait_until(lambda: c.stats()["l3"]["read"]["busy"], 10.0, "the first read in flight")
         s = c.stats(check=True)
         assert s["invariants"] == "", s["invariants"]
         assert s["sessions"]["by_state"] == {"running": 1} and s["pool"]["staging"] > 0

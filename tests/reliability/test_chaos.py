@@ -390,3 +390,98 @@ def test_mooncake_holder_killed_mid_read(instance, mooncake_master, trial):
         for name in os.listdir("/dev/shm"):
             if name.startswith(instance + "a"):
                 os.unlink(os.path.join("/dev/shm", name))
+
+
+def _store_as_group(instance: str, group: str, chain_no: int) -> None:
+    """Another engine (two in-process ranks of ``group``) stores chain ``chain_no``: it takes
+    whatever blocks are free, i.e. reuses the blocks another chain was evicted from."""
+    from ..procs import chain_kv
+
+    ranks = [KVConnector(instance, LAY, rank=r, group=group, populate="off") for r in (0, 1)]
+    try:
+        for c in ranks:
+            c.attach()
+        chain = ranks[0].hasher.chain(tokens(chain_no))
+        sts = [c.store(chain, req=f"{group}-{chain_no}", step=0) for c in ranks]
+        for r, (c, st) in enumerate(zip(ranks, sts)):
+            c.save(st, chain_kv(LAY.as_dict(), r, tokens(chain_no)), list(range(st.start, st.start + st.count)))
+            c.commit(st)
+    finally:
+        for c in ranks:
+            c.detach()
+
+
+def _flush(instance: str) -> int:
+    with KVConnector(instance, LAY, group="flusher", populate="off") as f:
+        return f.flush()
+
+
+def _refill_pool(instance: str, first_chain: int) -> None:
+    """Evict everything unpinned and fill the pool with other chains (every block reused)."""
+    _flush(instance)
+    for j in range(128 // N):
+        _store_as_group(instance, "other", first_chain + j)
+
+
+@pytest.mark.parametrize("trial", TRIALS)
+def test_rank_respawned_into_a_live_group_and_a_late_rank(sidecar_factory, instance, tmp_path, ctx, trial):
+    """Ranks that come back (DESIGN §6): rank 1 killed mid-load and respawned while rank 0 kept
+    serving replays the same (request, step); a rank attaching for the first time after its
+    group decided.  Every loaded page is compared with its own chain's KV."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.backend": "none"}))
+    r0, r1 = Rank(ctx, instance, 0), Rank(ctx, instance, 1)
+    late = None
+    reclaimed = 0
+    try:
+        assert r0.call("attach")[0] == "done" and r1.call("attach")[0] == "done"
+        store_both([r0, r1], 1, step=1)
+        # -- respawn: rank 1 dies holding its share of the group's lease, rank 0 finishes, releases
+        r0.send("get_load", tokens=tokens(1), req="k1", step=2)
+        r1.send("get_load", tokens=tokens(1), req="k1", step=2, hold=True)
+        r1.until("loading")
+        r1.kill()
+        reclaimed += 1
+        kind, v = _next_non_phase(r0)
+        assert kind == "done" and v["count"] == N and v["corrupt_pages"] == 0, v
+        wait_reclaimed(instance, reclaimed)
+        # rank 0's engine keeps serving without it: the next step's decision is made while rank 1
+        # is away (no share for it), then chain 1's blocks are evicted and reused
+        kind, v = r0.call("get_load", tokens=tokens(1), req="k1", step=3)
+        assert kind == "done" and v["count"] == N and v["corrupt_pages"] == 0, v
+        _refill_pool(instance, 100)
+        r1 = Rank(ctx, instance, 1)
+        ok = r1.call("attach")[0] == "done"
+        kind, v = r1.call("get_load", tokens=tokens(1), req="k1", step=3)  # it catches up: replays step 3
+        lost = v["corrupt_pages"] if kind == "done" else 0
+        ok = ok and kind == "done" and (v["count"], v["stale"], v["refused"]) == (0, True, 0)
+        s = observer_stats(instance)
+        ok = ok and clean(s) and s["counters"].get("decisions_stale", 0) == 1
+        store_both([r0, r1], 2, step=3)  # and the group works on: a new chain, both ranks, checked
+        lost += load_both([r0, r1], 2, step=4, expect=N)
+        _tally("rank_respawned_replay", ok and clean(observer_stats(instance)), lost)
+        assert ok and lost == 0, (kind, v)
+
+        # -- late: group "late" decides with rank 1 never attached; rank 1 comes afterwards
+        late = Rank(ctx, instance, 0, group="late")
+        assert late.call("attach")[0] == "done"
+        _store_as_group(instance, "writer", 3)
+        kind, v = late.call("get_load", tokens=tokens(3), req="q3", step=5)
+        ok = kind == "done" and v["count"] == N and v["corrupt_pages"] == 0
+        _refill_pool(instance, 200)  # chain 3 stays pinned for the late rank's share; the rest is reused
+        late1 = Rank(ctx, instance, 1, group="late")
+        try:
+            ok = ok and late1.call("attach")[0] == "done"
+            kind, v = late1.call("get_load", tokens=tokens(3), req="q3", step=5)
+            lost = v["corrupt_pages"] if kind == "done" else 0
+            ok = ok and kind == "done" and v["count"] == N and not v["refused"]
+        finally:
+            late1.close()
+        s = observer_stats(instance)
+        ok = ok and clean(s)
+        _tally("rank_late_first_attach", ok, lost)
+        assert ok and lost == 0, (kind, v, str(s["leases"]), str(s["pool"]))
+    finally:
+        r0.close()
+        r1.close()
+        if late is not None:
+            late.close()

@@ -54,7 +54,7 @@ def page_bytes(pool, pages):
 def config(instance, **extra):
     return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                 is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-                                model_name="tiny-llama", extra_config={"instance": instance, **extra})
+                                model_name="tiny-llama", extra_config={"instance": instance, "verify_loads": "all", **extra})
 
 
 def test_four_threads_hammer_one_backend(sidecar_factory, instance, tmp_path):

@@ -80,6 +80,7 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
     port = free_port()
     plugin_cfg = tmp_path / "kvsidecar-sglang.toml"
     plugin_cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.2\n'
+                          'verify_loads = "all"\n'
                           f'[sessions]\nenabled = {"true" if plugin else "false"}\npolicy = "timeout"\n'
                           'chunk_max_blocks = 2\nget_wait_s = 20.0\n')
     env = dict(os.environ, PYTHONPATH=f"{HERE / 'server_standins'}:{ROOT}", SGLANG_USE_CPU_ENGINE="1",

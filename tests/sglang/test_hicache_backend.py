@@ -36,7 +36,7 @@ def host_pool(layout: str):
 def storage_config(instance, rank=0, tp=1, mla=False, **extra):
     return HiCacheStorageConfig(tp_rank=rank, tp_size=tp, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                 is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False,
-                                model_name="tiny-llama", extra_config={"instance": instance, **extra})
+                                model_name="tiny-llama", extra_config={"instance": instance, "verify_loads": "all", **extra})
 
 
 def sidecar_overrides(pool, tmp_path, **extra):

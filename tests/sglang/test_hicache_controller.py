@@ -75,7 +75,7 @@ def build(layout: str, instance: str, tp_group):
         io_backend="direct", storage_backend="dynamic", model_name="tiny-llama", transfer_layer_id_max=len(mapping),
         storage_backend_extra_config={"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
                                       "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
-                                      "instance": instance})
+                                      "instance": instance, "verify_loads": "all"})
     return host, ctrl
 
 
