@@ -465,8 +465,13 @@ def test_abort_storms(sidecar_factory, instance, tmp_path):
     assert max(slots) <= b.config.max_connections and st["conn_connections"] <= b.config.max_connections, (slots, st)
     assert terminal[-1].get("terminal_aborted", 0) > 0, terminal  # the storms did cut running sessions
     print(f"\nabort storms: slots {slots}, sessions by outcome {terminal[-1]}, backend {st}")
-    # a request after the storms: a full hit, bit-exact
-    hit, got, data = read_cycle(b, cs[0], "after-storms", range(400, 400 + CHAIN_PAGES))
+    # a request after the storms: a full hit, bit-exact (not demanded: best_effort would stop at
+    # a demand with what is published by then, and the storms left chain 0 partly restored)
+    with b.bind("after-storms"):
+        hit = b.batch_exists(cs[0])
+        got = b.batch_get_v1(cs[0], indices(range(400, 400 + CHAIN_PAGES)))
+    b.end("after-storms")
+    data = page_bytes(pool, range(400, 400 + CHAIN_PAGES))
     assert hit == CHAIN_PAGES and got == [True] * CHAIN_PAGES and data == want0
     assert_clean(books(b))
     b.close()
