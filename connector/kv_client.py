@@ -186,9 +186,7 @@ class KVConnector:
         if not self.layout.writes(self.rank) and ok:
             return {"published": None, "writer": False}
         sums = None
-        if ok and self.checksums:
-            if not isinstance(staging, Staging):
-                raise TypeError("commit needs the Staging (its blocks are checksummed), not its id")
+        if ok and self.checksums and isinstance(staging, Staging):  # (a bare id: the sidecar refuses it)
             sums = region_sums(self.pool.address, self._shard_offsets(staging.blocks), self.layout.shard_bytes,
                                staging.keys, self.layout.shard_of(self.rank))
         return self.client.call("commit", staging=sid, ok=ok, sums=sums)

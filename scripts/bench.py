@@ -7,6 +7,7 @@ every figure is the median of the trials with its spread ``[min..max]``.
     python -m scripts.bench load|l3|stop [--quick] [--trials N]
     python -m scripts.bench startup [--quick]   # pool ready time, first vs second pass, exits
     python -m scripts.bench metrics [--quick]   # Prometheus on vs off: ring RTT, get+release of 512
+    python -m scripts.bench integrity [--quick] # block checksums on vs off: store, L3 restore, load
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SUITES = {
     "stop": "bench_stop",
     "startup": "bench_startup",
     "metrics": "bench_metrics",
+    "integrity": "bench_integrity",
 }
 REPEATS_ITSELF = {"startup", "metrics"}  # their own interleaved trials (medians with [min-max])
 

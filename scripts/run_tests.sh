@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: set up everything this project needs, then run the default suite, then the
-# SGLang controller-level suite in its own virtualenv (marker `sglang`).
-# Extra arguments go to the main pytest run (e.g. -m slow, -k ring); KVS_SKIP_SGLANG=1 skips the
-# SGLang part.
+# SGLang controller-level suite in its own virtualenv (marker `sglang`), then the vLLM suite in
+# its own (marker `vllm`: vLLM's real scheduler, and a real CPU engine).
+# Extra arguments go to the main pytest run (e.g. -m slow, -k ring); KVS_SKIP_SGLANG=1 /
+# KVS_SKIP_VLLM=1 skip those parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,4 +15,8 @@ if [ "${KVS_SKIP_SGLANG:-0}" != 1 ]; then
   export TMPDIR="$PWD/.cache/tmp" TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions" SGLANG_CACHE_DIR="$PWD/.cache/sglang"
   mkdir -p "$TMPDIR"
   PATH="$PWD/.sglang-venv/bin:$PATH" .sglang-venv/bin/python -m pytest -q -p no:cacheprovider -m "sglang and not slow" tests/sglang
+fi
+if [ "${KVS_SKIP_VLLM:-0}" != 1 ]; then
+  bash scripts/vllm/setup_venv.sh
+  VLLM_TARGET_DEVICE=cpu PATH="$PWD/.vllm-venv/bin:$PATH" .vllm-venv/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/vllm
 fi

@@ -131,13 +131,13 @@ class KVCore(Service):
         the receiving rank holds until it releases.  A GET's ids are replayed only while
         their group lease lives, and the rank gets a share of it if it had none (it was
         away when the lease was made, or came back after dying); a store's ids only while
-        the staging is open and still waits for this rank's shard (a rank that writes nothing, MLA,
-        gets the decision without ids).  Otherwise the rank
-        gets a *stale miss* — ``count`` 0, no ids, ``stale: True`` — and ``decisions_stale``
-        counts it: every caller already recomputes on a miss (SGLang's MIN all-reduce of
-        the completed pages then makes the whole group recompute that request), so a rank
-        that came back can neither load another chain's bytes nor write into them.
-        ``lookup`` and ``poll`` answers carry no block ids and replay as recorded."""
+        the staging is open and still waits for this rank's shard (a rank that writes
+        nothing, MLA, gets the decision without ids).  Otherwise the rank gets a *stale
+        miss* — ``count`` 0, no ids, ``stale: True`` — and ``decisions_stale`` counts it:
+        every caller already recomputes on a miss (SGLang's MIN all-reduce of the completed
+        pages then makes the whole group recompute that request), so a rank that came back
+        can neither load another chain's bytes nor write into them.  ``lookup`` and ``poll``
+        answers carry no block ids and replay as recorded."""
         out = dict(prior)
         if not out.get("count"):
             return out

@@ -185,6 +185,8 @@ FIELD = {
     "lease": ids_for(LEASE_POOLS),
     "staging": ids_for(STAGING_POOLS),
     "ok": st.booleans(),
+    # a commit's checksums: none, the wrong size, or the right size with wrong values
+    "sums": st.binary(max_size=40) | st.builds(Blob, st.sampled_from([8, 32, 64, 96]), st.just("bytes"), i(0, 9)),
     "l3": st.booleans(),
     "policy": st.sampled_from(["wait_complete", "timeout", "best_effort", "cost_aware"] * 3
                               + ["cost_aware", "", "TIMEOUT", "x" * 256]) | texts,
