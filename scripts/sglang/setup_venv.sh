@@ -24,8 +24,11 @@ pip() { $V/bin/python -m pip "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 # come from the machine's local wheel cache as a matched pair (a lone `pip install torchvision`
 # would pull a CUDA build instead).
 site=$($V/bin/python -c "import site; print(site.getsitepackages()[0])")
-rm -rf "$site/torchvision"  # an earlier import-only stand-in, if any
+# an earlier import-only stand-in, if any (never the real package: pip would not put it back)
+if [ -d "$site/torchvision" ] && ! ls -d "$site"/torchvision-*.dist-info >/dev/null 2>&1; then rm -rf "$site/torchvision"; fi
 pip install -q torch==2.14.1 torchvision==0.29.1
+# a venv whose torchvision files an earlier version of this script removed (dist-info left behind)
+[ -f "$site/torchvision/__init__.py" ] || pip install -q --force-reinstall --no-deps torchvision==0.29.1
 pip install -q --no-deps sglang==0.5.23
 pip install -q -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
 pip install -q msgpack posix-ipc cython pytest pytest-timeout mooncake-transfer-engine-non-cuda prometheus-client==0.26.0
