@@ -1,6 +1,6 @@
 """Sidecar connections for a host that calls from many threads: a bounded pool, checked out per call.
 
-A :class:`~connector.client.SidecarClient` owns one SPSC submit ring and one SPSC completion
+A :class:`~kvsidecar.connector.client.SidecarClient` owns one SPSC submit ring and one SPSC completion
 ring: one producer per ring.  An engine that calls its storage backend from several threads
 (SGLang: the prefetch, I/O, backup and scheduler threads of each rank, restarted by every
 ``/flush_cache`` and controller reset) needs several connections, but must never hold more
@@ -49,7 +49,7 @@ import logging
 import threading
 import time
 
-from shm.errors import KvSidecarError, SidecarBusy
+from kvsidecar.shm.errors import KvSidecarError, SidecarBusy
 
 from .kv_client import KVConnector
 

@@ -1,7 +1,7 @@
 """Typed configuration of the vLLM connector, read from ``kv_connector_extra_config``.
 
     --kv-transfer-config '{"kv_connector": "KvSidecarConnector",
-                           "kv_connector_module_path": "connector.vllm_connector",
+                           "kv_connector_module_path": "kvsidecar.connector.vllm_connector",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"instance": "kvs0", "policy": "timeout"}}'
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from shm.layout import KVLayout, LayoutError
+from kvsidecar.shm.layout import KVLayout, LayoutError
 
 POLICIES = ("timeout", "wait_complete", "best_effort", "cost_aware")
 POPULATE = ("background", "sync", "off")

@@ -1,12 +1,12 @@
 """kvsidecar as a vLLM v1 KV connector, loaded out of tree.
 
     --kv-transfer-config '{"kv_connector": "KvSidecarConnector",
-                           "kv_connector_module_path": "connector.vllm_connector",
+                           "kv_connector_module_path": "kvsidecar.connector.vllm_connector",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"instance": "kvs0"}}'
 
-vLLM builds one instance in its scheduler (role SCHEDULER: ``connector.vllm_scheduler``) and
-one per worker rank (role WORKER: ``connector.vllm_worker``); this class only routes vLLM's
+vLLM builds one instance in its scheduler (role SCHEDULER: ``kvsidecar.connector.vllm_scheduler``) and
+one per worker rank (role WORKER: ``kvsidecar.connector.vllm_worker``); this class only routes vLLM's
 calls to the half it is.  The scheduler's plan for a step travels to every rank inside
 :class:`KvSidecarMetadata`.  The sidecar being absent, dead or slow is a miss (every call has a
 deadline); with ``kv_load_failure_policy: "recompute"`` a load that fails half-way is

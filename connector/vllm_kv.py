@@ -1,10 +1,10 @@
-"""vLLM's paged KV tensors seen as the regions :class:`connector.kv_copy.KVCopier` copies.
+"""vLLM's paged KV tensors seen as the regions :class:`kvsidecar.connector.kv_copy.KVCopier` copies.
 
 vLLM hands ``register_kv_caches`` one tensor per attention layer, logically ``[B, H, N, C]``
 (blocks, this rank's KV heads, ``block_size`` tokens, content: K and V side by side, or the
 latent for MLA).  Each block's ``H × N × C`` elements are one dense run of bytes (any order
 inside), and block ``b`` starts ``b × stride(0)`` elements from the layer's base.  A pool
-block's shard of one layer is ``kv_factor`` regions of ``page_bytes / kv_factor`` (shm.layout),
+block's shard of one layer is ``kv_factor`` regions of ``page_bytes / kv_factor`` (kvsidecar.shm.layout),
 so this module gives the copier, per layer, ``kv_factor`` views over the same storage:
 region-sized "pages" starting at the layer's base (K) and one region further (V).  vLLM block
 ``b`` is then copier page ``b × factor`` in both views, one memcpy per (block, layer, K/V).
@@ -15,7 +15,7 @@ The bytes are moved as they are: engines sharing a pool must use one attention b
 
 from __future__ import annotations
 
-from shm.layout import KVLayout
+from kvsidecar.shm.layout import KVLayout
 
 from .kv_copy import KVShapeError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from shm.errors import KvSidecarError, RemoteError
+from kvsidecar.shm.errors import KvSidecarError, RemoteError
 
 from .kv_client import KVConnector
 

@@ -33,8 +33,8 @@ import dataclasses
 import logging
 import uuid
 
-from shm.chain import length as chain_len, span as chain_span
-from shm.layout import KVLayout
+from kvsidecar.shm.chain import length as chain_len, span as chain_span
+from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
 from .vllm_config import VllmConnectorConfig

@@ -1,6 +1,6 @@
 """The worker half of the vLLM connector: one instance per TP rank.
 
-* ``register_kv_caches``: the rank's KV tensors become copier views (``connector.vllm_kv``)
+* ``register_kv_caches``: the rank's KV tensors become copier views (``kvsidecar.connector.vllm_kv``)
   and the rank attaches to the sidecar as rank ``r`` of the group ``<group>``.
 * ``start_load_kv``: for each :class:`LoadSpec` of the step, a GET under the group decision of
   ``(request, attempt, step)`` — this rank's own share of one group lease, taken while the
@@ -28,7 +28,7 @@ import concurrent.futures
 import dataclasses
 import logging
 
-from shm.layout import KVLayout
+from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector, Lease
 from .vllm_config import VllmConnectorConfig

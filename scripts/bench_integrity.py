@@ -22,10 +22,10 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 import torch  # noqa: E402
 
-from connector.kv_client import KVConnector  # noqa: E402
-from shm.layout import KVLayout  # noqa: E402
-from sidecar.l3.master import MooncakeMaster  # noqa: E402
-from sidecar.spawn import SidecarProcess  # noqa: E402
+from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
+from kvsidecar.shm.layout import KVLayout  # noqa: E402
+from kvsidecar.sidecar.l3.master import MooncakeMaster  # noqa: E402
+from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
 
 LAY = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, tokens_per_block=16, tp_size=1)  # 512 KiB blocks
 

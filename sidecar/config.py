@@ -10,7 +10,7 @@ import tomllib
 import typing
 from pathlib import Path
 
-from shm.layout import KVLayout, LayoutError
+from kvsidecar.shm.layout import KVLayout, LayoutError
 
 
 class ConfigError(ValueError):
@@ -29,7 +29,7 @@ class TransportConfig:
 
 @dataclasses.dataclass
 class PoolConfig:
-    """The CPU pool (see ``sidecar.kv.pool_memory``)."""
+    """The CPU pool (see ``kvsidecar.sidecar.kv.pool_memory``)."""
 
     num_blocks: int = 1024
     # how the pages are allocated at start: "write" (zeros through the file; the sidecar maps
@@ -98,7 +98,7 @@ class L3Config:
 
 @dataclasses.dataclass
 class MetricsConfig:
-    """Prometheus exposition (``sidecar.observe.metrics``); off by default."""
+    """Prometheus exposition (``kvsidecar.sidecar.observe.metrics``); off by default."""
 
     enabled: bool = False
     host: str = "127.0.0.1"
@@ -139,7 +139,7 @@ class SidecarConfig:
     instance: str = "kvsidecar"
     run_dir: str = "/tmp/kvsidecar"  # ready marker and logs
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
-    # the engine's KV layout; ranks must attach with the same (shm.layout is the shared contract)
+    # the engine's KV layout; ranks must attach with the same (kvsidecar.shm.layout is the shared contract)
     layout: KVLayout = dataclasses.field(default_factory=KVLayout)
     pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)

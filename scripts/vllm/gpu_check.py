@@ -40,10 +40,10 @@ def main(argv=None) -> int:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
 
-    from connector.kv_client import KVConnector
-    from connector.vllm_config import VllmConnectorConfig, layout_for
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.connector.vllm_config import VllmConnectorConfig, layout_for
     from tests.helpers import wait_l3_idle
-    from sidecar.spawn import SidecarProcess
+    from kvsidecar.sidecar.spawn import SidecarProcess
 
     instance = f"kvsgpu-{uuid.uuid4().hex[:8]}"
     l3 = tempfile.mkdtemp(prefix="kvsidecar-gpu-l3-")
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     over = {f"layout.{k}": v for k, v in layout.as_dict().items()}
     over.update({"pool.num_blocks": a.pool_blocks, "l3.file_dir": l3})
     sp = SidecarProcess(instance, overrides=over)
-    kv = {"kv_connector": "KvSidecarConnector", "kv_connector_module_path": "connector.vllm_connector",
+    kv = {"kv_connector": "KvSidecarConnector", "kv_connector_module_path": "kvsidecar.connector.vllm_connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"instance": instance, "model": "gpu-check", "policy": "wait_complete"}}
     llm = LLM(model=a.model, tensor_parallel_size=a.tp, block_size=a.block_size, kv_transfer_config=kv,

@@ -30,7 +30,7 @@ pip install -q msgpack==1.2.4 posix-ipc==1.3.2 pytest==9.0.3 pytest-timeout==2.4
 # kvsidecar's metadata and a .pth naming this checkout (imports connector/, shm/, sidecar/ from here)
 $V/bin/python scripts/sglang/install_metadata.py
 VLLM_TARGET_DEVICE=cpu $V/bin/python -c "
-import torch, vllm, transformers, native.hashing, native.copy, connector
+import torch, vllm, transformers, kvsidecar._native.hashing, kvsidecar._native.copy, connector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 assert torch.__version__.startswith('2.13.0'), torch.__version__
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -36,9 +36,9 @@ import logging
 import os
 import time
 
-from shm import populate as P
-from shm.errors import SegmentError
-from shm.segment import Segment, unlink_segment
+from kvsidecar.shm import populate as P
+from kvsidecar.shm.errors import SegmentError
+from kvsidecar.shm.segment import Segment, unlink_segment
 
 log = logging.getLogger(__name__)
 

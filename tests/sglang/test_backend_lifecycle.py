@@ -38,11 +38,11 @@ from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-from connector.client import SidecarClient  # noqa: E402
-from connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
-from connector.kv_client import KVConnector  # noqa: E402
-from sidecar import inspector  # noqa: E402
-from sidecar.spawn import SidecarProcess  # noqa: E402
+from kvsidecar.connector.client import SidecarClient  # noqa: E402
+from kvsidecar.connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
+from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
+from kvsidecar.sidecar import inspector  # noqa: E402
+from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
 from tests.sglang.test_backend_threads import config, host_pool, indices, page_bytes  # noqa: E402
 from tests.sglang.test_hicache_controller import build, tp_group, wait_get  # noqa: E402,F401
 from tests.sglang.test_hicache_controller import page_bytes as token_bytes  # noqa: E402
@@ -237,7 +237,7 @@ def test_scarce_slots_are_shared_and_exhaustion_is_reported(sidecar_factory, ins
     shared_lines = [r.getMessage() for r in caplog.records if "share the ones it has" in r.getMessage()]
     assert len(shared_lines) == 1 and f"pid {ME} holds 3 (this process)" in shared_lines[0], shared_lines
     caplog.clear()
-    caplog.set_level(logging.WARNING, logger="connector.thread_conns")
+    caplog.set_level(logging.WARNING, logger="kvsidecar.connector.thread_conns")
     b2 = KvSidecarHiCacheStorage(config(instance, timeout_s=1.0), {})
     b2.register_mem_pool_host(pool)
     t0 = time.monotonic()
@@ -480,8 +480,8 @@ def test_abort_storms(sidecar_factory, instance, tmp_path):
 def test_pool_checkout_is_exclusive_and_reentrant(sidecar_factory, instance, tmp_path):
     """The one-producer-per-ring contract, directly: no connection is ever checked out to two
     threads at once; a thread's nested checkout gets its own connection back."""
-    from connector.thread_conns import ConnectionPool
-    from shm.layout import KVLayout
+    from kvsidecar.connector.thread_conns import ConnectionPool
+    from kvsidecar.shm.layout import KVLayout
 
     lay = KVLayout(model="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", tokens_per_block=4, tp_size=1)
     sidecar_factory(**{f"layout.{k}": v for k, v in lay.as_dict().items()}, **{"pool.num_blocks": 16,

@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sidecar import inspector  # noqa: E402
-from sidecar.config import SidecarConfig  # noqa: E402
+from kvsidecar.sidecar import inspector  # noqa: E402
+from kvsidecar.sidecar.config import SidecarConfig  # noqa: E402
 from tests.sglang.test_full_server import (  # noqa: E402,F401
     PAGE,
     TP,
@@ -92,7 +92,7 @@ def test_flush_cache_cycles_keep_hitting_storage(server_factory, instance, tmp_p
     assert all(r["same"] for r in rows), table
     assert all(r["storage"] >= want for r in rows), table  # every cycle a storage hit of the prompt
     assert len({r["storage"] for r in rows}) == 1, table
-    cap = TP * 4  # connector.sglang_config: max_connections = 4 per rank
+    cap = TP * 4  # kvsidecar.connector.sglang_config: max_connections = 4 per rank
     assert before >= TP and max(r["slots"] for r in rows) <= cap and after <= cap, table
     assert after <= num_slots - 2, table  # room left for other clients
     assert refused_after == refused_before == 0, table

@@ -2,7 +2,7 @@
 
 :class:`Engine` builds a genuine ``vllm.v1.core.sched.scheduler.Scheduler`` from a ``VllmConfig``
 (the tiny Llama's config.json written at test time; nothing is downloaded), whose connector
-is ``connector.vllm_connector.KvSidecarConnector`` loaded out of tree by vLLM's own factory.  It
+is ``kvsidecar.connector.vllm_connector.KvSidecarConnector`` loaded out of tree by vLLM's own factory.  It
 also holds a WORKER-role instance of the same class over CPU KV tensors shaped as vLLM's CPU
 backend registers them (``[blocks, kv_heads, block_size, 2 x head_dim]`` per layer).
 
@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
 
-from shm.chain import key as chain_key  # noqa: E402
+from kvsidecar.shm.chain import key as chain_key  # noqa: E402
 
 BLOCK = 32  # vLLM's block_size == kvsidecar's tokens_per_block (the CPU backend wants multiples of 32)
 LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 64  # tests/vllm/tiny_llama.py
@@ -56,7 +56,7 @@ class Engine:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from connector.vllm_connector import KvSidecarConnector
+        from kvsidecar.connector.vllm_connector import KvSidecarConnector
 
         model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                                    max_model_len=1024, seed=0)
@@ -64,7 +64,7 @@ class Engine:
                         "populate": "off", "verify_loads": "all",
                         **(extra or {})}
         kv_transfer = KVTransferConfig(kv_connector="KvSidecarConnector",
-                                       kv_connector_module_path="connector.vllm_connector", kv_role="kv_both",
+                                       kv_connector_module_path="kvsidecar.connector.vllm_connector", kv_role="kv_both",
                                        kv_load_failure_policy=policy, kv_connector_extra_config=extra_config,
                                        **({"engine_id": engine_id} if engine_id else {}))
         self.vllm_config = VllmConfig(

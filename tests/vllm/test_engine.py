@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from connector.kv_client import KVConnector  # noqa: E402
-from shm.layout import KVLayout  # noqa: E402
+from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
+from kvsidecar.shm.layout import KVLayout  # noqa: E402
 from tests.helpers import wait_l3_idle  # noqa: E402
 
 from .harness import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, MODEL, sidecar_overrides  # noqa: E402
@@ -42,7 +42,7 @@ def test_store_restart_restore_identical_tokens(sidecar_factory, instance, tmp_p
     over = sidecar_overrides(tmp_path, num_blocks=64)
     sp = sidecar_factory(**over)
     model = write_model(tmp_path / "tiny-llama")
-    kv_transfer = {"kv_connector": "KvSidecarConnector", "kv_connector_module_path": "connector.vllm_connector",
+    kv_transfer = {"kv_connector": "KvSidecarConnector", "kv_connector_module_path": "kvsidecar.connector.vllm_connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"instance": instance, "model": MODEL, "policy": "wait_complete",
                                                  "reattach_every_s": 0.05, "verify_loads": "all"}}

@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from connector.kv_client import KVConnector  # noqa: E402
-from connector.vllm_config import VllmConfigError, VllmConnectorConfig  # noqa: E402
-from shm.chain import span as chain_span  # noqa: E402
-from shm.layout import KVLayout  # noqa: E402
+from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
+from kvsidecar.connector.vllm_config import VllmConfigError, VllmConnectorConfig  # noqa: E402
+from kvsidecar.shm.chain import span as chain_span  # noqa: E402
+from kvsidecar.shm.layout import KVLayout  # noqa: E402
 
 from .harness import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, MODEL, Engine, sidecar_overrides  # noqa: E402
 from .tiny_llama import write_config  # noqa: E402
