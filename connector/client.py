@@ -20,7 +20,7 @@ import select
 import time
 
 from kvsidecar.shm import protocol
-from kvsidecar.shm.control import STATE_READY, ControlSegment, process_start_ticks
+from kvsidecar.shm.control import STATE_READY, ControlSegment, describe_slot_holders, process_start_ticks
 from kvsidecar.shm.deathword import DEATH_WORD_OFFSET, DeathSentinel
 from kvsidecar.shm.errors import (
     ProtocolError,
@@ -99,8 +99,11 @@ class SidecarClient:
                 self.slot = i
                 break
         else:
+            held = ctl.slots_by_pid()
+            ctl.count_slot_exhaustion()  # the sidecar counts it and logs who holds the slots
             self.close()
-            raise SidecarBusy(f"all {ctl.num_slots} client slots of {self.instance!r} are taken")
+            raise SidecarBusy(f"all {ctl.num_slots} client slots of {self.instance!r} are taken"
+                              f" ({describe_slot_holders(held, me)})")
         # held while attached: the kernel releases it when this process dies, before tearing
         # down its address space, so the sidecar reclaims us fast whatever we mapped (kvsidecar.shm.deathword)
         self._sentinel = DeathSentinel(ctl.slot_addr(self.slot) + DEATH_WORD_OFFSET)
@@ -277,3 +280,4 @@ class SidecarClient:
             self._broken = f"sidecar (generation {self.generation}) is stopping or was replaced"
         if self._broken is not None:
             raise SidecarUnavailable(self._broken)
+

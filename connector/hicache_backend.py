@@ -34,9 +34,11 @@ trivially.
   operation to the calling thread (:meth:`bind`).  Without the plugin (degraded) a session
   gets an id derived from its chain, policy ``timeout``: no demand, no abort, the sidecar's
   deadline stops it.
-* **Threads**: every calling thread has its own sidecar connection
-  (:class:`kvsidecar.connector.thread_conns.PerThreadConnectors`); the backend's own tables are
-  guarded by one lock that is never held across a sidecar call.
+* **Threads**: a call checks a sidecar connection out of the rank's bounded pool
+  (:class:`kvsidecar.connector.thread_conns.ConnectionPool`, at most ``max_connections``) for its
+  duration, so SGLang's threads -- restarted by every ``/flush_cache`` and controller reset --
+  never pile up client slots; the backend's own tables are guarded by one lock that is never
+  held across a sidecar call.
 * ``sessions.enabled = false``: no sessions -- ``batch_exists`` restores the whole chain from
   L3 itself (SGLang's prefetch thread waits for the data), the behaviour before the plugin.
 * When the sidecar is absent, dies or is slow, every call answers miss / False within its
@@ -62,7 +64,7 @@ from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
 from .sglang_config import PluginConfig, load_plugin_config
-from .thread_conns import PerThreadConnectors
+from .thread_conns import ConnectionPool
 
 try:  # pragma: no cover - exercised in the SGLang virtualenv
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -128,7 +130,7 @@ class KvSidecarHiCacheStorage(_Base):
                                    f":pp{getattr(storage_config, 'pp_rank', 0)}:dp{getattr(storage_config, 'dp_rank', 0)}")
         self.mem_pool_host = None
         self.layout: KVLayout | None = None
-        self.conns: PerThreadConnectors | None = None
+        self.conns: ConnectionPool | None = None
         self.plugin_driven = False  # set by kvsidecar.connector.sglang_plugin once its hooks are applied
         self._bound = threading.local()
         self._lock = threading.Lock()
@@ -153,21 +155,29 @@ class KvSidecarHiCacheStorage(_Base):
         self.shard_offset = self.layout.shard_of(self.rank) * self.layout.shard_bytes
         self.seed = murmur3_128(b"kvsidecar-hicache-v2" + self.layout.fingerprint() + self.namespace.encode())
         cfg = self.config
-        self.conns = PerThreadConnectors(
+        self.conns = ConnectionPool(
             lambda: KVConnector(self.instance, self.layout, rank=self.rank, group=self.group,
                                 namespace=self.namespace, timeout_s=cfg.timeout_s, populate=cfg.populate,
                                 verify_loads=cfg.verify_loads),
-            cfg.reattach_every_s)
-        if self.conns.current() is not None:
-            log.info("kvsidecar backend: rank %d/%d attached to %s as group %r (sessions: policy %s, "
-                     "chunk_max_blocks %s, budget %s)", self.rank, self.tp_size, self.instance, self.group,
-                     cfg.sessions.policy, cfg.sessions.chunk_max_blocks or "sidecar default",
-                     cfg.sessions.budget_s or "sidecar formula")
+            max_connections=cfg.max_connections, reattach_every_s=cfg.reattach_every_s, wait_s=cfg.timeout_s,
+            name=f"kvsidecar {self.instance!r} (rank {self.rank})")
+        with self.conns.checkout() as conn:
+            if conn is not None:
+                log.info("kvsidecar backend: rank %d/%d attached to %s as group %r (sessions: policy %s, "
+                         "chunk_max_blocks %s, budget %s; at most %d connections)", self.rank, self.tp_size,
+                         self.instance, self.group, cfg.sessions.policy,
+                         cfg.sessions.chunk_max_blocks or "sidecar default", cfg.sessions.budget_s or "sidecar formula",
+                         cfg.max_connections)
 
-    @property
-    def conn(self) -> KVConnector | None:
-        """The calling thread's connection (tools and tests)."""
-        return self.conns.current() if self.conns is not None else None
+    @contextlib.contextmanager
+    def connection(self):
+        """``with backend.connection() as c:`` -- a connection of this rank's pool for the
+        calling thread (tools and tests); ``None`` while the sidecar is unavailable."""
+        if self.conns is None:
+            yield None
+            return
+        with self.conns.checkout() as conn:
+            yield conn
 
     def _call(self, fn, default):
         """``fn(this thread's connector)``, or ``default`` (a miss) when the sidecar is unavailable.
@@ -175,24 +185,28 @@ class KvSidecarHiCacheStorage(_Base):
         A connection to an incarnation that is gone (the sidecar was restarted) re-attaches at
         once and runs ``fn`` again, once, from the start; a sidecar that is down answers miss
         and is retried after ``reattach_every_s``."""
-        for retry in (False, True):
-            conn = self.conns.current() if self.conns is not None and self.mem_pool_host is not None else None
-            if conn is None:
-                self._count("degraded_calls")
-                return default
-            try:
-                return fn(conn)
-            except SidecarUnavailable as exc:
-                if not retry and not conn.client.attached:
-                    log.info("kvsidecar %s: %s; re-attaching", self.instance, exc)
-                    continue
-                failure = exc
-            except KvSidecarError as exc:
-                failure = exc
-            log.warning("kvsidecar call failed (%s); answering miss", failure)
+        conns = self.conns
+        if conns is None or self.mem_pool_host is None:
             self._count("degraded_calls")
-            self.conns.broken()
             return default
+        for retry in (False, True):
+            with conns.checkout() as conn:
+                if conn is None:
+                    self._count("degraded_calls")
+                    return default
+                try:
+                    return fn(conn)
+                except SidecarUnavailable as exc:
+                    if not retry and not conn.client.attached:
+                        log.info("kvsidecar %s: %s; re-attaching", self.instance, exc)
+                        continue
+                    failure = exc
+                except KvSidecarError as exc:
+                    failure = exc
+                log.warning("kvsidecar call failed (%s); answering miss", failure)
+                self._count("degraded_calls")
+                conns.broken(conn)
+                return default
 
     # -- request identity (bound by kvsidecar.connector.sglang_plugin around SGLang's storage calls) ------
     @contextlib.contextmanager
@@ -525,7 +539,10 @@ class KvSidecarHiCacheStorage(_Base):
 
     def get_stats(self):
         with self._lock:
-            return dict(self.counters)
+            out = dict(self.counters)
+        if self.conns is not None:
+            out.update({f"conn_{k}": v for k, v in self.conns.stats().items()})  # conn_connections, ...
+        return out
 
     def close(self) -> None:
         if self.conns is not None:

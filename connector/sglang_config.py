@@ -58,7 +58,8 @@ class PluginConfig:
     l3: bool = True  # restore from / write behind to the sidecar's L3 tier
     timeout_s: float = 2.0  # deadline of one sidecar call
     reattach_every_s: float = 1.0  # a thread whose sidecar is down retries at most this often
-    populate: str = "background"  # each thread connection's pool mapping (see kvsidecar.connector.kv_client)
+    populate: str = "background"  # each connection's pool mapping (see kvsidecar.connector.kv_client)
+    max_connections: int = 4  # sidecar connections (client slots) per rank, shared by its threads
     verify_loads: str = "sample"  # off | sample | all: check leased bytes against their checksums
     sessions: SessionConfig = SessionConfig()
 
@@ -67,6 +68,8 @@ class PluginConfig:
             raise PluginConfigError("instance must be set")
         if self.populate not in POPULATE:
             raise PluginConfigError(f"populate must be one of {POPULATE}")
+        if not 1 <= self.max_connections <= 64:
+            raise PluginConfigError("max_connections must be between 1 and 64")
         if self.verify_loads not in ("off", "sample", "all"):
             raise PluginConfigError("verify_loads must be off, sample or all")
         if self.timeout_s <= 0 or self.reattach_every_s < 0:

@@ -1,91 +1,258 @@
-"""One sidecar connection per calling thread.
+"""Sidecar connections for a host that calls from many threads: a bounded pool, checked out per call.
 
-A :class:`~kvsidecar.connector.client.SidecarClient` owns one SPSC submit ring and one SPSC
-completion ring: exactly one thread may use it.  An engine that calls its storage backend
-from several threads (SGLang: the prefetch, I/O, backup and scheduler threads of each rank)
-gives each thread its own :class:`~kvsidecar.connector.kv_client.KVConnector` (its own client slot and
-its own mapping of the pool, in which the leases it gets are valid).
+A :class:`~kvsidecar.connector.client.SidecarClient` owns one SPSC submit ring and one SPSC completion
+ring: one producer per ring.  An engine that calls its storage backend from several threads
+(SGLang: the prefetch, I/O, backup and scheduler threads of each rank, restarted by every
+``/flush_cache`` and controller reset) needs several connections, but must never hold more
+than a few, whatever it does with its threads.
 
-Invariants: a connector is only ever used by the thread that created it; a thread whose
-sidecar is down gets ``None`` (a miss) and retries at most every ``reattach_every_s``;
-``close_all`` detaches every thread's connector (any thread may call it, once the engine's
-threads are stopped).
+**Mechanism: a connection is checked out for one call and checked back in when the call
+returns** (:meth:`ConnectionPool.checkout`, a context manager).  A thread therefore holds a
+connection only while it is inside a call -- so a thread that ends holds none, and ended
+threads cost nothing.  Why this and not a per-thread connection released by a finalizer:
+
+* **Bounded by construction.**  The pool holds at most ``max_connections`` (and never more
+  than the peak number of threads inside a call at once), however many threads the host
+  starts, ends or keeps alive; a finalizer bounds nothing for a host that keeps 64 threads.
+* **Nothing depends on when a thread's locals are torn down** (interpreter internals, a
+  daemon thread at exit, a reference cycle that keeps a ``threading.local`` value alive).
+* **Connections do not churn.**  A detach is not free for the sidecar: it releases the
+  *rank's* share of group leases and aborts the rank's unfinished group stores (they are
+  keyed by (group, rank), not by client), so a connection that leaves while another of the
+  same rank is mid-store would cut that store.  Pooled connections stay attached until
+  :meth:`close_all` (the backend's ``close``); a thread's end detaches nothing.
+* **Slot scarcity degrades to sharing, not to misses**: when the sidecar has no free slot,
+  the pool stops growing (for ``reattach_every_s``) and the thread waits, bounded, for a
+  connection another thread checks in.  Only a pool with no connection at all answers
+  ``None`` (a miss) -- and then the refusal is counted and logged with the biggest holder.
+
+Invariants:
+
+* **One producer per ring**: a connection is checked out to at most one thread at a time
+  (the free list and the in-use set change only under the pool's lock; the lock's
+  acquire/release orders one holder's ring writes before the next holder's).  A nested
+  checkout by the thread that already holds one gets the same connection (re-entrant), so a
+  call never waits for itself.
+* Connections held ≤ ``max_connections``; in use ≤ held.  A connection checked in is
+  attached, or is re-attached by its next checkout (a sidecar restart: a new incarnation,
+  its own pool mapping); while the sidecar is down every checkout answers ``None`` at once
+  and an attach is retried at most every ``reattach_every_s`` (all threads together).
+* Every wait is bounded (``wait_s`` for a free connection; then ``None`` and a counter).
+* ``close_all`` detaches every connection (any thread; call it once the host's threads are
+  stopped -- a connection still checked out is detached when it is checked in).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 
-from kvsidecar.shm.errors import KvSidecarError
+from kvsidecar.shm.errors import KvSidecarError, SidecarBusy
 
 from .kv_client import KVConnector
 
 log = logging.getLogger(__name__)
 
-
-class _Slot:
-    __slots__ = ("conn", "down_since")
-
-    def __init__(self):
-        self.conn: KVConnector | None = None
-        self.down_since: float | None = None
+DEFAULT_MAX_CONNECTIONS = 4  # SGLang calls from 4 threads per rank: prefetch, I/O, backup, scheduler
 
 
-class PerThreadConnectors:
-    def __init__(self, make, reattach_every_s: float):
-        self._make = make  # () -> a new, unattached KVConnector
+class ConnectionPool:
+    def __init__(self, make, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, reattach_every_s: float = 1.0,
+                 wait_s: float = 2.0, name: str = "kvsidecar"):
+        """``make() -> KVConnector`` builds a new, unattached connection."""
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        self._make = make
+        self.max_connections = max_connections
         self.reattach_every_s = reattach_every_s
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._all: list[KVConnector] = []
-        self.attaches = 0
+        self.wait_s = wait_s
+        self.name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._all: list[KVConnector] = []  # every connection the pool holds (attached or not)
+        self._free: list[KVConnector] = []  # checked in; last in, first out (a small hot set)
+        self._holder: dict[int, list] = {}  # thread ident -> [conn, depth] while inside a call
+        self._down_since: float | None = None  # the last attach found no sidecar
+        self._grow_after = float("-inf")  # no new connection before this (the sidecar had no slot)
+        self._closed = False
+        self._warned = False  # one warning per outage, one info line when it is back
+        self.counters = {"attaches": 0, "checkouts": 0, "waited": 0, "wait_timeouts": 0, "unavailable": 0,
+                         "slot_exhaustions": 0, "peak_in_use": 0}
 
-    def current(self) -> KVConnector | None:
-        """This thread's attached connector, or None while the sidecar is unavailable."""
-        slot = getattr(self._local, "slot", None)
-        if slot is None:
-            slot = self._local.slot = _Slot()
-        if slot.conn is not None and slot.conn.client.attached:
-            return slot.conn
-        if slot.down_since is not None and time.monotonic() - slot.down_since < self.reattach_every_s:
-            return None
-        if slot.conn is not None:
-            slot.conn.close()  # a dead incarnation: map the new one's pool
-        else:
-            slot.conn = self._make()
-            with self._lock:
-                self._all.append(slot.conn)
+    # -- the one entry point --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def checkout(self):
+        """``with pool.checkout() as conn:`` -- an attached connection for this thread alone, or
+        ``None`` (the sidecar is unavailable, or no connection came free within ``wait_s``)."""
+        me = threading.get_ident()
+        with self._cond:
+            held = self._holder.get(me)
+            if held is not None:  # re-entrant: this thread's call already holds one
+                held[1] += 1
+        if held is not None:
+            try:
+                yield held[0]
+            finally:
+                with self._cond:
+                    held[1] -= 1
+            return
+        conn = self._acquire()
+        if conn is None:
+            yield None
+            return
+        with self._cond:
+            self._holder[me] = [conn, 1]
         try:
-            slot.conn.attach()
-        except KvSidecarError as exc:
-            if slot.down_since is None:
-                log.warning("kvsidecar unavailable in thread %s (%s): storage misses until it is back",
-                            threading.current_thread().name, exc)
-            slot.conn.close()
-            slot.down_since = time.monotonic()
-            return None
-        slot.down_since = None
-        with self._lock:
-            self.attaches += 1
-        return slot.conn
+            yield conn
+        finally:
+            self._checkin(me, conn)
 
-    def broken(self) -> None:
-        """The current thread's call failed: if its client is gone, back off before re-attaching."""
-        slot = getattr(self._local, "slot", None)
-        if slot is not None and (slot.conn is None or not slot.conn.client.attached):
-            slot.down_since = time.monotonic()
+    # -- internals --------------------------------------------------------------------------------
+    def _acquire(self) -> KVConnector | None:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            conn, fresh = self._take(deadline)
+            if conn is None or conn.client.attached:
+                return conn
+            outcome = self._attach(conn, fresh)
+            if outcome == "ok":
+                return conn
+            if outcome == "busy":
+                continue  # the pool stopped growing: wait for one of ours
+            return None
+
+    def _take(self, deadline: float) -> tuple[KVConnector | None, bool]:
+        """A free connection, a new one (under the cap), or after a bounded wait ``None``."""
+        waited = False
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if self._closed:
+                    return None, False
+                if self._down_since is not None and now - self._down_since < self.reattach_every_s:
+                    self.counters["unavailable"] += 1
+                    return None, False
+                if self._free:
+                    conn = self._free.pop()
+                    break
+                if len(self._all) < self.max_connections and (now >= self._grow_after or not self._all):
+                    conn = self._make()
+                    self._all.append(conn)
+                    self._mark_in_use()
+                    return conn, True
+                if now >= deadline:
+                    self.counters["wait_timeouts"] += 1
+                    return None, False
+                if not waited:
+                    waited = True
+                    self.counters["waited"] += 1
+                self._cond.wait(deadline - now)
+            self._mark_in_use()
+            return conn, False
+
+    def _mark_in_use(self) -> None:
+        self.counters["checkouts"] += 1
+        in_use = len(self._all) - len(self._free)
+        if in_use > self.counters["peak_in_use"]:
+            self.counters["peak_in_use"] = in_use
+
+    def _attach(self, conn: KVConnector, fresh: bool) -> str:
+        """Attach ``conn`` (outside the lock: a round trip and a pool mapping).  "ok", "busy"
+        (no free slot, but the pool has other connections to share) or "down"."""
+        if not fresh:
+            conn.close()  # a dead incarnation's rings and pool mapping
+        try:
+            conn.attach()
+        except SidecarBusy as exc:
+            conn.close()
+            with self._cond:
+                self.counters["slot_exhaustions"] += 1
+                self._all.remove(conn)
+                self._grow_after = time.monotonic() + self.reattach_every_s
+                shared = bool(self._all)
+                if not shared:
+                    self._down_since = time.monotonic()
+                self._cond.notify_all()
+            if shared:
+                self._warn(f"cannot add a connection ({exc}); this process' threads share the ones it has",
+                           shared)
+            else:
+                self._warn(f"unavailable ({exc}); storage misses until a slot is free", shared)
+            return "busy" if shared else "down"
+        except KvSidecarError as exc:
+            conn.close()
+            with self._cond:
+                self._free.append(conn)  # kept: re-attached by a later checkout
+                self._down_since = time.monotonic()
+                self._cond.notify_all()
+            self._warn(f"unavailable ({exc}): storage misses until it is back", False)
+            return "down"
+        with self._cond:
+            self._down_since = None
+            self.counters["attaches"] += 1
+            back = self._warned
+            self._warned = False
+        if back:
+            log.info("%s: attached again (%d connections in this process)", self.name, self.count())
+        return "ok"
+
+    def _warn(self, msg: str, shared: bool) -> None:
+        with self._cond:
+            first = not self._warned
+            self._warned = True
+        if first:
+            log.warning("%s in thread %s: %s", self.name, threading.current_thread().name, msg)
+        elif not shared:
+            log.debug("%s still unavailable: %s", self.name, msg)
+
+    def _checkin(self, me: int, conn: KVConnector) -> None:
+        with self._cond:
+            del self._holder[me]
+            closed = self._closed
+            if closed:
+                if conn in self._all:
+                    self._all.remove(conn)
+            else:
+                self._free.append(conn)
+                self._cond.notify()
+        if closed:
+            _detach(conn)
+
+    # -- for the host ---------------------------------------------------------------------------
+    def broken(self, conn: KVConnector | None) -> None:
+        """A call on ``conn`` failed: if its client is gone, back off before re-attaching."""
+        if conn is not None and not conn.client.attached:
+            with self._cond:
+                self._down_since = time.monotonic()
 
     def count(self) -> int:
-        with self._lock:
+        """Connections this process holds (each is one client slot while attached)."""
+        with self._cond:
             return len(self._all)
 
+    def in_use(self) -> int:
+        with self._cond:
+            return len(self._all) - len(self._free)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {**self.counters, "connections": len(self._all), "in_use": len(self._all) - len(self._free),
+                    "attached": sum(1 for c in self._all if c.client.attached), "max": self.max_connections}
+
     def close_all(self) -> None:
-        with self._lock:
-            conns, self._all = self._all, []
-        for conn in conns:
-            try:
-                conn.detach()
-            except KvSidecarError:
-                conn.close()
+        """Detach every connection checked in now; one still checked out is detached at check-in."""
+        with self._cond:
+            self._closed = True
+            free, self._free = self._free, []
+            self._all = [c for c in self._all if c not in free]
+            self._cond.notify_all()
+        for conn in free:
+            _detach(conn)
+
+
+def _detach(conn: KVConnector) -> None:
+    try:
+        conn.detach()
+    except KvSidecarError:
+        conn.close()

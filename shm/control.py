@@ -14,6 +14,8 @@
         48  u64 state            STATE_* below
         56  u64 slot epoch       bumped (fetch-add) by a client after it claims a slot
         64  doorbell             the sidecar's (clients post after submitting)
+        120 u64 slot exhaustions a client that found every slot taken adds 1 (fetch-add), then
+                                 bumps the slot epoch so the sidecar notices (counts, logs)
         128 64s instance name
         192 64s pool segment name ("" until a pool exists)
         256 u64 stats seqlock    odd while the sidecar rewrites the stats blob
@@ -64,6 +66,7 @@ SLOT_FREE, SLOT_CLAIMED, SLOT_ACTIVE, SLOT_RECLAIMING = 0, 1, 2, 3
 SLOT_NAMES = {0: "free", 1: "claimed", 2: "active", 3: "reclaiming"}
 
 _HDR = struct.Struct("<QIIQQQIIQQ")  # up to offset 64
+_EXHAUSTIONS_OFFSET = 120  # on the doorbell's line: written only when an attach is refused
 
 
 def control_segment_bytes(num_slots: int, ring_capacity: int) -> int:
@@ -163,6 +166,16 @@ class ControlSegment:
         _a.fetch_add_u64(self.base + 56, 1)
 
     @property
+    def slot_exhaustions(self) -> int:
+        """Attaches refused because every slot was taken, over this segment's life."""
+        return _a.load_acquire_u64(self.base + _EXHAUSTIONS_OFFSET)
+
+    def count_slot_exhaustion(self) -> None:
+        """A client found no free slot: count it and wake the sidecar (a slot-table rescan)."""
+        _a.fetch_add_u64(self.base + _EXHAUSTIONS_OFFSET, 1)
+        self.bump_slot_epoch()
+
+    @property
     def instance(self) -> str:
         return _get_str(self.segment.view, 128)
 
@@ -188,6 +201,15 @@ class ControlSegment:
             return False
         _a.store_release_u64(self.slot_addr(i) + 8, start_ticks)
         return True
+
+    def slots_by_pid(self) -> dict[int, int]:
+        """{pid: slots it holds (claimed or active)}, read live from the slot table."""
+        held: dict[int, int] = {}
+        for i in range(self.num_slots):
+            pid, state = self.slot_state(i)
+            if state != SLOT_FREE:
+                held[pid] = held.get(pid, 0) + 1
+        return held
 
     def set_slot(self, i: int, pid: int, state: int) -> None:
         _a.store_release_u64(self.slot_addr(i), slot_word(pid, state) if state else 0)
@@ -245,6 +267,17 @@ class ControlSegment:
             if _a.load_acquire_u64(seq_addr) == s1:
                 return msgpack.unpackb(blob, raw=False) if n else {}
         return {}
+
+
+def describe_slot_holders(held: dict[int, int], me: int | None = None, top: int = 3) -> str:
+    """``pid 123 holds 12 (this process), pid 456 holds 4`` -- the biggest holders first."""
+    if not held:
+        return "no holder left"
+    ranked = sorted(held.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"pid {pid} holds {n}{' (this process)' if pid == me else ''}" for pid, n in ranked[:top]]
+    if len(ranked) > top:
+        parts.append(f"{len(ranked) - top} more pids")
+    return ", ".join(parts)
 
 
 def _put_str(view, off: int, s: str) -> None:

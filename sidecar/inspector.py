@@ -16,7 +16,8 @@ JSON schema (``--json``), version 1 — ``SCHEMA`` below is the machine-readable
 
     schema            "kvsidecar.inspect/1"
     taken_at          unix seconds when this view was read
-    sidecar           {instance, generation, pid, alive, state, num_slots, ring_bytes, pool_segment}
+    sidecar           {instance, generation, pid, alive, state, num_slots, ring_bytes, pool_segment,
+                       slots_in_use, slot_exhaustions}   (attaches refused because every slot was taken)
     published_age_s   seconds since the sidecar published the tables (null: nothing published yet)
     sessions          {total, rows: [{session, request, group, policy, state, status, published,
                        target, total, age_s, demanded}]}   (oldest first, at most 48 rows)
@@ -27,6 +28,7 @@ JSON schema (``--json``), version 1 — ``SCHEMA`` below is the machine-readable
     clients           [{slot, pid, state, group, rank, submit_depth, completion_depth, requests,
                        requests_per_s}]   (requests_per_s: since the previous view under --watch,
                        else since the client connected)
+    slots_by_pid      [{pid, slots, active, claimed}]   (biggest holder first; read live)
     counters          {name: int}, the sidecar's own counters
     stats             the whole published stats blob (every service's stats; free-form, for
                       debugging: only its being an object is part of the schema)
@@ -42,7 +44,7 @@ import json
 import sys
 import time
 
-from kvsidecar.shm.control import SLOT_NAMES, STATE_NAMES, ControlSegment, process_start_ticks
+from kvsidecar.shm.control import SLOT_ACTIVE, SLOT_CLAIMED, SLOT_NAMES, STATE_NAMES, ControlSegment, process_start_ticks
 from kvsidecar.shm.errors import SegmentError
 from kvsidecar.shm.segment import Segment
 
@@ -70,7 +72,8 @@ SCHEMA = {
         "schema": {"const": SCHEMA_ID},
         "taken_at": _num,
         "sidecar": _obj({"instance": _str, "generation": _int, "pid": _int, "alive": _bool, "state": _str,
-                         "num_slots": _int, "ring_bytes": _int, "pool_segment": _str}),
+                         "num_slots": _int, "ring_bytes": _int, "pool_segment": _str, "slots_in_use": _int,
+                         "slot_exhaustions": _int}),
         "published_age_s": {"type": ["number", "null"]},
         "sessions": _table({"session": _int, "request": _str, "group": _str, "policy": _str, "state": _str,
                             "status": _str, "published": _int, "target": _int, "total": _int, "age_s": _num,
@@ -81,6 +84,8 @@ SCHEMA = {
         "clients": {"type": "array", "items": _obj({
             "slot": _int, "pid": _int, "state": _str, "group": _str, "rank": _int, "submit_depth": _int,
             "completion_depth": _int, "requests": _int, "requests_per_s": _num})},
+        "slots_by_pid": {"type": "array", "items": _obj({"pid": _int, "slots": _int, "active": _int,
+                                                         "claimed": _int})},
         "counters": {"type": "object"},
         "stats": {"type": "object"},
     }),
@@ -107,10 +112,15 @@ def snapshot(instance: str, previous: dict | None = None) -> dict:
         before = {c["slot"]: c for c in (previous or {}).get("clients", [])} if previous else {}
         dt = taken - previous["taken_at"] if previous else 0.0
         clients = []
+        per_pid: dict[int, dict] = {}
         for i in range(ctl.num_slots):
             cpid, state = ctl.slot_state(i)
             if state == 0:
                 continue
+            held = per_pid.setdefault(cpid, {"pid": cpid, "slots": 0, "active": 0, "claimed": 0})
+            held["slots"] += 1
+            if state in (SLOT_ACTIVE, SLOT_CLAIMED):
+                held["active" if state == SLOT_ACTIVE else "claimed"] += 1
             c = by_slot.get(i, {})
             requests = int(c.get("requests", 0))
             prev = before.get(i)
@@ -130,12 +140,14 @@ def snapshot(instance: str, previous: dict | None = None) -> dict:
             "sidecar": {"instance": ctl.instance, "generation": ctl.generation, "pid": pid,
                         "alive": bool(pid) and process_start_ticks(pid) == ctl.sidecar_start_ticks,
                         "state": STATE_NAMES.get(ctl.state, str(ctl.state)), "num_slots": ctl.num_slots,
-                        "ring_bytes": ctl.ring_capacity, "pool_segment": ctl.pool_name},
+                        "ring_bytes": ctl.ring_capacity, "pool_segment": ctl.pool_name,
+                        "slots_in_use": len(clients), "slot_exhaustions": ctl.slot_exhaustions},
             "published_age_s": round(lag, 3) if lag is not None else None,
             "sessions": _aged(status.get("sessions"), lag),
             "leases": _aged(status.get("leases"), lag),
             "pool": status.get("pool"),
             "clients": clients,
+            "slots_by_pid": sorted(per_pid.values(), key=lambda h: (-h["slots"], h["pid"])),
             "counters": dict(stats.get("counters", {})),
             "stats": {k: v for k, v in stats.items() if k != "status"},
         }
@@ -220,6 +232,14 @@ def render(s: dict) -> str:
                          f" {c['requests_per_s']:>8.1f}")
     else:
         lines.append("  (no clients)")
+    lines += ["", f"SLOTS BY PID ({sc['slots_in_use']} of {sc['num_slots']} in use,"
+                  f" {sc['slot_exhaustions']} attaches refused for want of a slot)"]
+    if s["slots_by_pid"]:
+        lines.append(f"  {'pid':>8} {'slots':>6} {'active':>7} {'claimed':>8}")
+        for h in s["slots_by_pid"]:
+            lines.append(f"  {h['pid']:>8} {h['slots']:>6} {h['active']:>7} {h['claimed']:>8}")
+    else:
+        lines.append("  (none)")
     return "\n".join(lines)
 
 

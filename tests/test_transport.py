@@ -247,15 +247,37 @@ def test_ops_before_attach_are_refused(sidecar, instance):
         assert c.slot != 0 and c.call("ping")["ok"]
 
 
-def test_all_slots_taken_is_a_clear_busy(sidecar_factory, instance):
-    sidecar_factory(**{"transport.num_slots": 2})
-    a, b = SidecarClient(instance), SidecarClient(instance)
-    a.attach()
-    b.attach()
-    with pytest.raises(SidecarBusy):
-        SidecarClient(instance).attach()
-    a.detach()
-    b.detach()
+def test_all_slots_taken_is_a_clear_busy(instance, tmp_path):
+    """A refused attach names the biggest holders, is counted (control header, the sidecar's
+    counter, the inspector) and gets one sidecar log line naming the pid holding the most slots."""
+    from kvsidecar.sidecar import inspector
+
+    log_path = tmp_path / "sidecar.log"
+    with open(log_path, "wb") as log:
+        sp = SidecarProcess(instance, overrides={"transport.num_slots": 2}, stderr=log)
+    try:
+        a, b = SidecarClient(instance), SidecarClient(instance)
+        a.attach()
+        b.attach()
+        for _ in range(3):
+            with pytest.raises(SidecarBusy, match=rf"all 2 client slots .* taken \(pid {os.getpid()} holds 2 "
+                                                  r"\(this process\)\)"):
+                SidecarClient(instance).attach()
+        deadline = time.monotonic() + 10
+        while a.call("stats")["stats"]["counters"].get("slot_exhaustions", 0) != 3:
+            assert time.monotonic() < deadline, "the sidecar did not count the refusals"
+            time.sleep(0.01)
+        view = inspector.snapshot(instance)
+        assert view["sidecar"]["slot_exhaustions"] == 3 and view["sidecar"]["slots_in_use"] == 2
+        assert view["slots_by_pid"] == [{"pid": os.getpid(), "slots": 2, "active": 2, "claimed": 0}]
+        assert "SLOTS BY PID (2 of 2 in use, 3 attaches refused" in inspector.render(view)
+        a.detach()
+        b.detach()
+    finally:
+        assert sp.stop() == 0
+    lines = [ln for ln in log_path.read_text().splitlines() if "slots exhausted" in ln]
+    # one line (the next would come after 10 s), naming the holder; refusals seen together are summed
+    assert len(lines) == 1 and f"pid {os.getpid()} holds 2" in lines[0], lines
 
 
 def test_full_rings_are_back_pressure_not_loss(sidecar_factory, instance):

@@ -35,6 +35,8 @@ if [ -d "$site/torchvision" ] && ! $V/bin/python -m pip show -qq torchvision >/d
   rm -rf "$site/torchvision"
 fi
 pip_install torch==2.14.1 torchvision==0.29.1
+# a venv whose torchvision files an earlier version of this script removed (dist-info left behind)
+[ -f "$site/torchvision/__init__.py" ] || pip_install --force-reinstall --no-deps torchvision==0.29.1
 pip_install --no-deps sglang==0.5.23
 pip_install -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
 # The test tools and kvsidecar's build requirements (pyproject.toml), pinned as in

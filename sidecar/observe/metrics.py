@@ -341,6 +341,8 @@ class _SnapshotCollector:
         yield _gauge("kvsidecar_clients_attached", "Clients attached now", sum(1 for cl in snap["clients"] if cl[1]))
         yield _counter("kvsidecar_clients_reclaimed", "Clients whose death the sidecar saw and cleaned up",
                        c.get("clients_reclaimed", 0))
+        yield _counter("kvsidecar_slot_exhaustions", "Attaches refused because every client slot was taken",
+                       c.get("slot_exhaustions", 0))
         yield _counter("kvsidecar_requests", "Requests served (every op)", c.get("requests", 0))
         codes = {k[7:]: v for k, v in c.items() if k.startswith("errors_")}
         yield _counter("kvsidecar_protocol_errors", "Error completions, by code", codes, "code")

@@ -28,6 +28,7 @@ from kvsidecar.shm.control import (
     STATE_READY,
     STATE_STOPPING,
     ControlSegment,
+    describe_slot_holders,
 )
 from kvsidecar.shm.errors import ErrorCode, ProtocolError
 from kvsidecar.shm.ring import Oversize, RingCorrupted
@@ -40,6 +41,7 @@ from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 log = logging.getLogger(__name__)
 
 MAX_IDLE_SLEEP_S = 30.0  # bound on any sleep, even with no timers at all
+EXHAUSTION_LOG_EVERY_S = 10.0  # at most one "slots exhausted" line per this (the counter is exact)
 BUILTIN_OPS = ("attach", "detach", "ping", "stats")
 
 
@@ -69,6 +71,9 @@ class Sidecar:
         self._timer_seq = itertools.count()
         self._tokens = itertools.count(1)
         self._epoch_seen = -1
+        self._exhaustions_seen = ctl.slot_exhaustions  # a restart over a stale segment: count anew
+        self._exhaustions_logged = 0
+        self._exhaustion_logged_at = float("-inf")
         self._running = False
         self._stop_requested = False
         self._stats_dirty = True
@@ -196,6 +201,7 @@ class Sidecar:
 
     # -- clients -----------------------------------------------------------------------------
     def _scan_slots(self) -> None:
+        self._check_exhaustions()
         for i in range(self.ctl.num_slots):
             pid, state = self.ctl.slot_state(i)
             if state == SLOT_CLAIMED and i not in self.clients:
@@ -204,6 +210,27 @@ class Sidecar:
                 self.counters["clients_claimed"] += 1
                 if not self.liveness.watch((i, conn.token), pid, self.ctl.client_start_ticks(i)):
                     self._drop_client(conn, reason="dead before attach")
+
+    def _check_exhaustions(self) -> None:
+        """Clients that found every slot taken (they count it in the header and bump the slot
+        epoch): ``slot_exhaustions`` counts them; one log line names the pid holding the most
+        slots (at most every EXHAUSTION_LOG_EVERY_S; the next line says how many it summarises)."""
+        total = self.ctl.slot_exhaustions
+        new = total - self._exhaustions_seen
+        if new <= 0:
+            return
+        self._exhaustions_seen = total
+        self.counters["slot_exhaustions"] += new
+        now = time.monotonic()
+        if now - self._exhaustion_logged_at < EXHAUSTION_LOG_EVERY_S:
+            return
+        refused = self.counters["slot_exhaustions"] - self._exhaustions_logged
+        self._exhaustions_logged = self.counters["slot_exhaustions"]
+        self._exhaustion_logged_at = now
+        held = self.ctl.slots_by_pid()
+        log.warning("client slots exhausted: %d attach(es) refused since the last report (%d in all); "
+                    "%d of %d slots held now: %s", refused, self._exhaustions_logged, sum(held.values()),
+                    self.ctl.num_slots, describe_slot_holders(held))
 
     def _on_client_dead(self, key) -> None:  # liveness thread
         self.post(self._client_dead, key)

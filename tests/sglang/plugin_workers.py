@@ -12,6 +12,7 @@ it is done or the request is released).  Every wait is bounded; results go back 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import queue
@@ -122,6 +123,7 @@ def _rank_main(rank: int, instance: str, port: int, arms: list) -> list:
     assert sglang_plugin.RADIX_CACHE_BACKEND in registered_radix_cache_backends()
     host, ctrl = build(rank, instance, {"model": "tiny-llama", "timeout_s": 5.0})
     backend = ctrl.storage_backend
+    held = contextlib.ExitStack()
     try:
         refused = None
         try:
@@ -130,7 +132,7 @@ def _rank_main(rank: int, instance: str, port: int, arms: list) -> list:
             refused = str(exc)
         assert refused and "wait_complete" in refused, refused
         assert sglang_plugin.activate(ctrl, "wait_complete") is backend and backend.plugin_driven
-        c = backend.conn  # this (the test's main) thread's own connection
+        c = held.enter_context(backend.connection())  # checked out of the rank's pool for this thread
         results = []
         for i, spec in enumerate(arms):
             arm = spec["arm"]
@@ -170,6 +172,7 @@ def _rank_main(rank: int, instance: str, port: int, arms: list) -> list:
             dist.barrier()
         return [dataclasses.asdict(r) for r in results]
     finally:
+        held.close()
         ctrl.detach_storage_backend()
         dist.destroy_process_group()
 

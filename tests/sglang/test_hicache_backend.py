@@ -159,14 +159,17 @@ def test_with_real_mooncake_behind_the_sidecar(sidecar_factory, instance, tmp_pa
     want = page_bytes(pool, range(64))
     assert all(b.batch_set_v1(ks, page_indices(range(64))))
     deadline = time.monotonic() + 10
-    while b.conn.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with b.connection() as c:
+        while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.01)
     b.clear()  # the CPU pool forgets; Mooncake keeps them
-    assert b.conn.lookup(b._chain(ks)) == 0
+    with b.connection() as c:
+        assert c.lookup(b._chain(ks)) == 0
     pool.kv_buffer.zero_()
     assert b.batch_exists(ks) == 64  # Mooncake's metadata: the session reads behind the answer
     assert all(b.batch_get_v1(ks, page_indices(range(64))))  # waits for the session's published prefix
     assert page_bytes(pool, range(64)) == want
-    s = b.conn.stats(check=True)
+    with b.connection() as c:
+        s = c.stats(check=True)
     assert s["invariants"] == "" and s["sessions"]["restored_blocks"] == 64
     b.close()
