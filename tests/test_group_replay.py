@@ -242,3 +242,31 @@ def test_store_replay_of_an_aborted_staging_writes_nothing(sidecar_factory, inst
     books_clean(counters(r0))
     for c in (r0, r1, *h):
         c.detach()
+
+
+def test_a_rank_with_two_connections_keeps_its_shares_when_one_leaves(sidecar_factory, instance):
+    """A host's connection pool gives one rank several clients: one of them leaving must not drop
+    the rank's share of a group lease or abort the rank's pending shard of a store (they belong
+    to the rank); its last connection leaving does."""
+    sidecar_factory(**overrides(2 * N))
+    r0, r1 = rank(instance, 0), rank(instance, 1)
+    r1b = rank(instance, 1)  # a second connection of rank 1 (another thread of the same host)
+    store_group([r0, r1], 1, 1.0, "store-A")
+    chain_a = r0.hasher.chain(tokens(1))
+    lease = r0.get(chain_a, req="r", step=1)  # a share for rank 1 too
+    chain_b = r0.hasher.chain(tokens(2))
+    st0, st1 = r0.store(chain_b, req="store-B", step=0), r1b.store(chain_b, req="store-B", step=0)
+    r1.detach()  # one of rank 1's connections leaves
+    r0.release(lease)
+    assert r0.flush() == 0  # rank 1's share still pins chain A
+    again = r1b.get(chain_a, req="r", step=1)
+    assert (again.count, again.stale) == (N, False) and loaded_values(r1b, again) == {1.0}
+    r1b.release(again)
+    for c, st, v in ((r0, st0, 5.0), (r1b, st1, 5.0)):  # rank 1's pending shard was not aborted
+        c.save(st, kv_of(v), list(range(st.count)))
+    assert r0.commit(st0)["published"] is False and r1b.commit(st1)["published"] is True
+    lease_b = r1b.get(chain_b)
+    assert loaded_values(r1b, lease_b) == {5.0}
+    r1b.release(lease_b)
+    books_clean(counters(r0))
+    r0.detach(), r1b.detach()

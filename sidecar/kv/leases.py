@@ -124,8 +124,10 @@ class LeaseTable:
             self.counters["shares_joined"] += 1
         return True
 
-    def client_gone(self, owner: tuple, group: str | None, rank: int) -> int:
-        """Release everything a dead or detached client held; returns leases touched."""
+    def client_gone(self, owner: tuple, group: str | None, rank: int | None) -> int:
+        """Release everything a dead or detached client held — its plain leases, and its rank's
+        shares of group leases unless ``rank`` is None (another client of that rank stays);
+        returns leases touched."""
         touched = 0
         for lease in list(self.leases.values()):
             if lease.holders is None:

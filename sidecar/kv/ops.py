@@ -195,11 +195,17 @@ class KVCore(Service):
             return
         owner = self._owner(conn)
         info = conn.info
-        self.leases.client_gone(owner, info.group, info.rank)
-        self.staging.client_gone(info.group, info.rank)
-        if info.kv and not any(c is not conn and c.info is not None and c.info.group == info.group
-                               and c.info.rank == info.rank for c in self.sidecar.clients.values()):
-            self.departed.setdefault(info.group, set()).add(info.rank)
+        # A rank may hold several connections (a host's connection pool, one per concurrent
+        # call): the rank's shares of group leases and its pending shards belong to the rank,
+        # so they go only with its last connection; this connection's plain leases go now.
+        rank_stays = info.kv and any(c is not conn and c.info is not None and c.info.kv
+                                     and c.info.group == info.group and c.info.rank == info.rank
+                                     for c in self.sidecar.clients.values())
+        self.leases.client_gone(owner, info.group, None if rank_stays else info.rank)
+        if not rank_stays:
+            self.staging.client_gone(info.group, info.rank)
+            if info.kv:
+                self.departed.setdefault(info.group, set()).add(info.rank)
         if info.kv and not any(c is not conn and c.info is not None and c.info.kv and c.info.group == info.group
                                for c in self.sidecar.clients.values()):
             # the whole group left: shares and commits owed by ranks that never attached die with it
