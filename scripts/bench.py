@@ -5,7 +5,7 @@ every figure is the median of the trials with its spread ``[min..max]``.
 
     python -m scripts.bench ring    [--quick] [--trials N] [--json PATH]
     python -m scripts.bench load|l3|stop [--quick] [--trials N]
-    python -m scripts.bench startup [--quick]   # pool ready time, first vs second pass, exits
+    python -m scripts.bench startup [--quick] [--trials N]   # pool ready time, first vs second pass, exits
     python -m scripts.bench metrics [--quick]   # Prometheus on vs off: ring RTT, get+release of 512
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -52,8 +53,9 @@ def main(argv=None) -> int:
     # ``python -m scripts.bench`` (from the repo root) has the ``scripts`` package
     module = importlib.import_module(f".{SUITES[args.suite]}", __package__) if __package__ \
         else importlib.import_module(SUITES[args.suite])
-    if args.suite in REPEATS_ITSELF:
-        result = module.run(quick=args.quick)
+    if args.suite in REPEATS_ITSELF:  # their repetitions are their trials (--trials, where they take it)
+        kw = {"trials": args.trials} if args.trials and "trials" in inspect.signature(module.run).parameters else {}
+        result = module.run(quick=args.quick, **kw)
         t = result.get("trials", 1)
         n = len(t) if isinstance(t, list) else t
     else:
