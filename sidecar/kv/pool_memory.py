@@ -23,7 +23,7 @@ reserves and zeroes its 2 MiB pages, whatever the mode except ``none``):
   by their first toucher (a rank's or the sidecar's background populate), off the
   start-up path.
 * ``"write"``: the same guarantee, plus every page zeroed before ready by writing
-  zeros through the file (~4× a fallocate: the zeroing is paid at start).
+  zeros through the file (1.3-4.5x a fallocate, measured: the zeroing is paid at start).
 * ``"map"``: ``fallocate``, then ``MADV_POPULATE_READ`` of the sidecar's own mapping
   from ``pool.populate_threads`` threads before ready.
 * ``"touch"``: the original single-threaded loop of Python writes (the benchmark's
