@@ -27,9 +27,9 @@ import dataclasses
 import logging
 import time
 
-from shm.chain import length as chain_len, span as chain_span
-from shm.errors import KvSidecarError
-from shm.layout import KVLayout
+from kvsidecar.shm.chain import length as chain_len, span as chain_span
+from kvsidecar.shm.errors import KvSidecarError
+from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector, Lease
 

@@ -26,10 +26,10 @@ import os
 import select
 import time
 
-from shm import protocol
-from shm.control import STATE_READY, ControlSegment, process_start_ticks
-from shm.deathword import DEATH_WORD_OFFSET, DeathSentinel
-from shm.errors import (
+from kvsidecar.shm import protocol
+from kvsidecar.shm.control import STATE_READY, ControlSegment, process_start_ticks
+from kvsidecar.shm.deathword import DEATH_WORD_OFFSET, DeathSentinel
+from kvsidecar.shm.errors import (
     ProtocolError,
     RemoteError,
     RequestTimeout,
@@ -37,8 +37,8 @@ from shm.errors import (
     SidecarBusy,
     SidecarUnavailable,
 )
-from shm.ring import RingCorrupted
-from shm.segment import Segment
+from kvsidecar.shm.ring import RingCorrupted
+from kvsidecar.shm.segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class SidecarClient:
             self.close()
             raise SidecarBusy(f"all {ctl.num_slots} client slots of {self.instance!r} are taken")
         # held while attached: the kernel releases it when this process dies, before tearing
-        # down its address space, so the sidecar reclaims us fast whatever we mapped (shm.deathword)
+        # down its address space, so the sidecar reclaims us fast whatever we mapped (kvsidecar.shm.deathword)
         self._sentinel = DeathSentinel(ctl.slot_addr(self.slot) + DEATH_WORD_OFFSET)
         self._submit = ctl.submit_producer(self.slot)
         self._completions = ctl.completion_consumer(self.slot)

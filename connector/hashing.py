@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import array
 
-from native.hashing import chain_hashes, murmur3_128
-from shm.chain import KEY_BYTES
-from shm.layout import KVLayout
+from kvsidecar._native.hashing import chain_hashes, murmur3_128
+from kvsidecar.shm.chain import KEY_BYTES
+from kvsidecar.shm.layout import KVLayout
 
 
 

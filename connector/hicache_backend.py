@@ -3,10 +3,10 @@
 SGLang loads it with::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-      '{"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
+      '{"backend_name": "kvsidecar", "module_path": "kvsidecar.connector.hicache_backend",
         "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "instance": "kvs0"}'
 
-(configuration: ``connector.sglang_config``; the lifecycle plugin: ``connector.sglang_plugin``).
+(configuration: ``kvsidecar.connector.sglang_config``; the lifecycle plugin: ``kvsidecar.connector.sglang_plugin``).
 
 **One TP group for all ranks.**  Every rank of a server attaches to the same sidecar group
 with a ``tp_size = N`` layout whose shard ``r`` is exactly one host-pool page of rank ``r``
@@ -35,7 +35,7 @@ trivially.
   gets an id derived from its chain, policy ``timeout``: no demand, no abort, the sidecar's
   deadline stops it.
 * **Threads**: every calling thread has its own sidecar connection
-  (:class:`connector.thread_conns.PerThreadConnectors`); the backend's own tables are
+  (:class:`kvsidecar.connector.thread_conns.PerThreadConnectors`); the backend's own tables are
   guarded by one lock that is never held across a sidecar call.
 * ``sessions.enabled = false``: no sessions -- ``batch_exists`` restores the whole chain from
   L3 itself (SGLang's prefetch thread waits for the data), the behaviour before the plugin.
@@ -54,11 +54,11 @@ import dataclasses
 import logging
 import threading
 
-from native.copy import copy_regions
-from native.hashing import murmur3_128
-from shm.chain import span as chain_span
-from shm.errors import ErrorCode, KvSidecarError, RemoteError, SidecarUnavailable
-from shm.layout import KVLayout
+from kvsidecar._native.copy import copy_regions
+from kvsidecar._native.hashing import murmur3_128
+from kvsidecar.shm.chain import span as chain_span
+from kvsidecar.shm.errors import ErrorCode, KvSidecarError, RemoteError, SidecarUnavailable
+from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
 from .sglang_config import PluginConfig, load_plugin_config
@@ -129,7 +129,7 @@ class KvSidecarHiCacheStorage(_Base):
         self.mem_pool_host = None
         self.layout: KVLayout | None = None
         self.conns: PerThreadConnectors | None = None
-        self.plugin_driven = False  # set by connector.sglang_plugin once its hooks are applied
+        self.plugin_driven = False  # set by kvsidecar.connector.sglang_plugin once its hooks are applied
         self._bound = threading.local()
         self._lock = threading.Lock()
         self._sessions: dict[tuple, SessionRef] = {}
@@ -194,7 +194,7 @@ class KvSidecarHiCacheStorage(_Base):
             self.conns.broken()
             return default
 
-    # -- request identity (bound by connector.sglang_plugin around SGLang's storage calls) ------
+    # -- request identity (bound by kvsidecar.connector.sglang_plugin around SGLang's storage calls) ------
     @contextlib.contextmanager
     def bind(self, rid: str, attempt: int = 0):
         """Calls from this thread inside the block belong to request ``rid`` (attempt ``attempt``)."""

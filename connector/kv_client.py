@@ -17,7 +17,7 @@ block, computed over the bytes in the shared pool after ``save``; a GET hands ba
 checksums of this rank's shards, and ``load`` verifies the leased bytes against them before
 copying: ``verify_loads="all"`` every block, ``"sample"`` (default) one block in
 ``SAMPLE_EVERY`` (rotating, so every position is covered over consecutive loads), ``"off"``
-none.  A mismatch raises :class:`~shm.errors.CorruptBlock` (nothing of that load is copied)
+none.  A mismatch raises :class:`~kvsidecar.shm.errors.CorruptBlock` (nothing of that load is copied)
 and is counted in ``integrity_stats()``.
 
 At attach the connector maps the pool and, in a background thread, gives every page
@@ -32,11 +32,11 @@ import array
 import dataclasses
 import logging
 
-from native.checksum import first_mismatch, region_sums
-from shm.chain import KEY_BYTES
-from shm.errors import CorruptBlock, RemoteError
-from shm.layout import KVLayout
-from shm.segment import Segment
+from kvsidecar._native.checksum import first_mismatch, region_sums
+from kvsidecar.shm.chain import KEY_BYTES
+from kvsidecar.shm.errors import CorruptBlock, RemoteError
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.shm.segment import Segment
 
 from .client import SidecarClient
 from .hashing import BlockHasher

@@ -4,12 +4,12 @@ Engine KV for this rank: per layer, a K and a V tensor of shape
 ``[num_pages, tokens_per_block, heads_per_shard, head_dim]`` (MLA: one latent tensor per
 layer), page size == ``tokens_per_block``.  Page ``p`` of one (layer, K/V) is one
 contiguous region of ``layout.region_bytes``, and so is this rank's shard of that
-(layer, K/V) in pool block ``b`` (see ``shm.layout``) — one memcpy each.
+(layer, K/V) in pool block ``b`` (see ``kvsidecar.shm.layout``) — one memcpy each.
 
-CPU tensors: ``native.copy.copy_regions`` copies all regions of one (layer, K/V) in a
+CPU tensors: ``kvsidecar._native.copy.copy_regions`` copies all regions of one (layer, K/V) in a
 single C loop with the GIL released, straight out of the shared mapping.
 CUDA tensors: the pool mapping is ``cudaHostRegister``-ed once — at attach, in the
-connector's background thread (``connector.pool_populate``), or else here before the
+connector's background thread (``kvsidecar.connector.pool_populate``), or else here before the
 first copy — and each region is an async host↔device copy on the copier's stream (the
 caller synchronises per layer or at the end).  The CUDA path is exercised only where a
 GPU exists.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import array
 
-from native.copy import copy_regions
-from shm.layout import KVLayout
+from kvsidecar._native.copy import copy_regions
+from kvsidecar.shm.layout import KVLayout
 
 
 REGISTRATION_WAIT_S = 600.0  # bound on waiting for the attach-time cudaHostRegister

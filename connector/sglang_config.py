@@ -51,14 +51,14 @@ class SessionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PluginConfig:
-    instance: str = "kvsidecar"  # the node's sidecar (python -m sidecar --instance ...)
+    instance: str = "kvsidecar"  # the node's sidecar (python -m kvsidecar.sidecar --instance ...)
     group: str = ""  # the TP group's name in the sidecar ("" = sglang:<model>:tp<N>:pp<p>:dp<d>)
     namespace: str = ""  # tenant namespace: seeds every key and names the L3 keys
     model: str = ""  # a stable model id for the layout fingerprint ("" = SGLang's model name)
     l3: bool = True  # restore from / write behind to the sidecar's L3 tier
     timeout_s: float = 2.0  # deadline of one sidecar call
     reattach_every_s: float = 1.0  # a thread whose sidecar is down retries at most this often
-    populate: str = "background"  # each thread connection's pool mapping (see connector.kv_client)
+    populate: str = "background"  # each thread connection's pool mapping (see kvsidecar.connector.kv_client)
     verify_loads: str = "sample"  # off | sample | all: check leased bytes against their checksums
     sessions: SessionConfig = SessionConfig()
 

@@ -1,7 +1,7 @@
 """The SGLang plugin: SGLang's request lifecycle drives kvsidecar's prefetch sessions.
 
 Loaded by SGLang 0.5.23 in every scheduler process through the ``sglang.srt.plugins`` entry
-point ``kvsidecar = connector.sglang_plugin:load`` (installed with kvsidecar's metadata;
+point ``kvsidecar = kvsidecar.connector.sglang_plugin:load`` (installed with kvsidecar's metadata;
 ``scripts/sglang/setup_venv.sh``).  ``load`` does two things:
 
 1. **Public extension point**: registers the radix-cache backend ``kvsidecar``
@@ -141,7 +141,7 @@ def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
     if not isinstance(backend, KvSidecarHiCacheStorage):
         raise KvSidecarPluginError(
             f"--radix-cache-backend {RADIX_CACHE_BACKEND} needs --enable-hierarchical-cache with kvsidecar as "
-            "the storage backend (--hicache-storage-backend dynamic, module_path connector.hicache_backend, "
+            "the storage backend (--hicache-storage-backend dynamic, module_path kvsidecar.connector.hicache_backend, "
             f"class_name KvSidecarHiCacheStorage); got {type(backend).__name__}")
     if prefetch_stop_policy != REQUIRED_PREFETCH_POLICY:
         raise KvSidecarPluginError(

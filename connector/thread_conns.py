@@ -1,9 +1,9 @@
 """One sidecar connection per calling thread.
 
-A :class:`~connector.client.SidecarClient` owns one SPSC submit ring and one SPSC
+A :class:`~kvsidecar.connector.client.SidecarClient` owns one SPSC submit ring and one SPSC
 completion ring: exactly one thread may use it.  An engine that calls its storage backend
 from several threads (SGLang: the prefetch, I/O, backup and scheduler threads of each rank)
-gives each thread its own :class:`~connector.kv_client.KVConnector` (its own client slot and
+gives each thread its own :class:`~kvsidecar.connector.kv_client.KVConnector` (its own client slot and
 its own mapping of the pool, in which the leases it gets are valid).
 
 Invariants: a connector is only ever used by the thread that created it; a thread whose
@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 
-from shm.errors import KvSidecarError
+from kvsidecar.shm.errors import KvSidecarError
 
 from .kv_client import KVConnector
 

@@ -18,7 +18,7 @@ so a waiter in one process is woken by a poster in another.  ``futex_wait``
 releases the GIL and always has a deadline.
 
 Callers are responsible for passing addresses inside live mappings; the
-functions do no bounds checking (that is what ``shm.segment`` is for).
+functions do no bounds checking (that is what ``kvsidecar.shm.segment`` is for).
 """
 
 from libc.stdint cimport uint32_t, uint64_t, int64_t, uintptr_t

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """64-bit block checksums bound to their block's key and shard, with the GIL released.
 
-A *shard* is one rank's contiguous part of a pool block (``shm.layout``).  Its checksum is
+A *shard* is one rank's contiguous part of a pool block (``kvsidecar.shm.layout``).  Its checksum is
 ``XXH3-64(shard bytes, seed = key_lo ^ (GOLDEN × (shard + 1)))`` where ``key_lo`` is the
 first 8 bytes (little-endian) of the block's 16-byte chain key: a checksum verifies *these
 bytes are what the writer saved for this key and this shard*, so a block of another chain,
@@ -14,7 +14,7 @@ tomorrow), in one BSD-licensed header plus its x86 dispatcher (``native/xxhash.h
 run-time dependency.  Integrity here means "the writer's bytes", not authenticity.
 
 A checksum *table* holds ``stride`` little-endian u64 per pool block (one per shard); block ids
-travel as packed uint32 blobs and keys as 16-byte chain blobs (``shm.chain``).  Addresses must
+travel as packed uint32 blobs and keys as 16-byte chain blobs (``kvsidecar.shm.chain``).  Addresses must
 lie inside live mappings the caller keeps alive; ranges are the caller's to check.
 """
 

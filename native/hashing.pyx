@@ -3,7 +3,7 @@
 
 ``h_0 = H(seed ‖ tokens[0:T])``, ``h_i = H(h_{i-1} ‖ tokens[iT:(i+1)T])`` where
 ``H`` is MurmurHash3 x64-128 and ``seed`` is a 16-byte digest of the namespace
-and the layout fingerprint (see ``connector.hashing``).  A block key therefore
+and the layout fingerprint (see ``kvsidecar.connector.hashing``).  A block key therefore
 identifies the whole prefix up to and including that block, in that namespace
 and for that KV layout.  Only full blocks are hashed; a trailing partial block
 is ignored.  The output is one ``bytes`` blob of ``16 × n`` bytes, which is also

@@ -31,10 +31,10 @@ import time
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
-from connector.kv_client import KVConnector  # noqa: E402
-from shm.layout import KVLayout  # noqa: E402
-from sidecar.l3.master import MooncakeMaster  # noqa: E402
-from sidecar.spawn import SidecarProcess  # noqa: E402
+from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
+from kvsidecar.shm.layout import KVLayout  # noqa: E402
+from kvsidecar.sidecar.l3.master import MooncakeMaster  # noqa: E402
+from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
 
 if __package__:
     from .trials import median as med

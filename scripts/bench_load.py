@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from connector.kv_client import KVConnector
-from native.copy import copy_bytes
-from shm.layout import KVLayout
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar._native.copy import copy_bytes
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 if __package__:
     from .trials import median as med
@@ -64,7 +64,7 @@ def _bench_load(quick: bool) -> dict:
 
 class _FakeConn:
     def __init__(self):
-        from sidecar.runtime.clients import ClientInfo
+        from kvsidecar.sidecar.runtime.clients import ClientInfo
 
         self.slot, self.token = 0, 1
         self.info = ClientInfo("bench", 0, 1, os.getpid())
@@ -72,10 +72,10 @@ class _FakeConn:
 
 def _bench_get_release(quick: bool) -> dict:
     """Sidecar CPU of the get and release handlers themselves (no transport), 512 blocks."""
-    from sidecar.config import load_config
-    from sidecar.kv.ops import KVCore
+    from kvsidecar.sidecar.config import load_config
+    from kvsidecar.sidecar.kv.ops import KVCore
 
-    class _Host:  # sidecar.service.Host: what a service may use of the loop (no loop here)
+    class _Host:  # kvsidecar.sidecar.service.Host: what a service may use of the loop (no loop here)
         clients: dict = {}
         counters = collections.Counter()
 
@@ -93,7 +93,7 @@ def _bench_get_release(quick: bool) -> dict:
     core = KVCore(_Host(), lay, 1024, cfg.limits)
     assert core.index.free == 1024
     conn = _FakeConn()
-    from connector.hashing import BlockHasher
+    from kvsidecar.connector.hashing import BlockHasher
 
     chain = BlockHasher(lay).chain(list(range(512 * lay.tokens_per_block)))
     st = core.op_store(conn, {"chain": chain})
@@ -109,8 +109,8 @@ def _bench_get_release(quick: bool) -> dict:
 
 
 def _bench_index_memory(quick: bool) -> dict:
-    from native.blockindex import BlockIndex
-    from sidecar.kv.index import unpack_ids
+    from kvsidecar._native.blockindex import BlockIndex
+    from kvsidecar.sidecar.kv.index import unpack_ids
 
     n = 200_000 if quick else 1_000_000
     index = BlockIndex(n)
@@ -148,7 +148,7 @@ def table(r: dict):
 
 def _toucher(pool_name: str, conn) -> None:
     """Map the pool and touch every 4 KiB page, then wait to be killed."""
-    from shm.segment import Segment
+    from kvsidecar.shm.segment import Segment
 
     seg = Segment.attach(pool_name)
     view = seg.view
@@ -188,8 +188,8 @@ def _bench_teardown(quick: bool) -> dict:
     over["pool.num_blocks"] = blocks
     res = {"teardown_pool_gib": size_gib}
     with SidecarProcess(f"kvsbenchtd{os.getpid()}", overrides=over) as sc:
-        from shm.control import ControlSegment
-        from shm.segment import Segment
+        from kvsidecar.shm.control import ControlSegment
+        from kvsidecar.shm.segment import Segment
 
         seg = Segment.attach(f"/kvsbenchtd{os.getpid()}.ctl", readonly=True)
         pool_name = ControlSegment(seg).pool_name
@@ -208,6 +208,6 @@ def _bench_teardown(quick: bool) -> dict:
 
 
 def _hugetlbfs_dir(size: int):
-    from sidecar.kv.pool_memory import hugetlbfs_mount
+    from kvsidecar.sidecar.kv.pool_memory import hugetlbfs_mount
 
     return hugetlbfs_mount(size)

@@ -24,9 +24,9 @@ import urllib.request
 
 import torch
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=16, tp_size=1)
 BLOCKS = 512

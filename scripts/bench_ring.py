@@ -15,9 +15,9 @@ import pickle
 import socket
 import time
 
-from connector.client import SidecarClient
-from shm import protocol
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.shm import protocol
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 
 def _pct(samples, q):

@@ -40,7 +40,7 @@ import statistics
 import tempfile
 import time
 
-from shm.layout import KVLayout
+from kvsidecar.shm.layout import KVLayout
 
 GiB = 1 << 30
 LAYOUT = dict(num_layers=32, num_kv_heads=8, head_dim=128, tokens_per_block=16, tp_size=1)  # 2 MiB blocks
@@ -57,9 +57,9 @@ def _rank(instance: str, layout: dict, populate: str, conn) -> None:
     populate (the old connector) there is one variant, ``race``."""
     import ctypes
 
-    from connector.kv_client import KVConnector
-    from native.copy import copy_bytes
-    from shm.populate import resident_bytes
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar._native.copy import copy_bytes
+    from kvsidecar.shm.populate import resident_bytes
 
     scratch = ctypes.create_string_buffer(CHUNK)
     ctypes.memset(scratch, 1, CHUNK)
@@ -166,10 +166,10 @@ ARMS = {
 
 
 def _trial(arm: str, size: int, ctx, tag: str) -> dict:
-    from connector.kv_client import KVConnector
-    from shm.control import ControlSegment
-    from shm.segment import Segment, unlink_segment
-    from sidecar.spawn import SidecarProcess
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.control import ControlSegment
+    from kvsidecar.shm.segment import Segment, unlink_segment
+    from kvsidecar.sidecar.spawn import SidecarProcess
 
     lay = KVLayout(**LAYOUT)
     instance = f"kvsbst{os.getpid()}{tag}"
@@ -240,7 +240,7 @@ def _trial(arm: str, size: int, ctx, tag: str) -> dict:
 
 
 def _room(size: int) -> bool:
-    from shm.populate import _meminfo
+    from kvsidecar.shm.populate import _meminfo
 
     avail = _meminfo().get("MemAvailable", 0) << 10
     st = os.statvfs("/dev/shm")
@@ -249,7 +249,7 @@ def _room(size: int) -> bool:
 
 def run(quick: bool = False, trials: int | None = None) -> dict:
     """``trials``: repetitions (each runs every arm once, rotated; default 2 quick, 3 full)."""
-    from shm.populate import hugepages_available
+    from kvsidecar.shm.populate import hugepages_available
 
     sizes = [GiB // 2, GiB] if quick else [4 * GiB, 16 * GiB]
     reps = trials or (2 if quick else 3)

@@ -9,9 +9,9 @@ import shutil
 import tempfile
 import time
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 if __package__:
     from .trials import median as med

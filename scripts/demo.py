@@ -18,8 +18,8 @@ import logging
 import os
 import time
 
-from shm.errors import SegmentError
-from sidecar import inspector
+from kvsidecar.shm.errors import SegmentError
+from kvsidecar.sidecar import inspector
 
 if __package__:  # python -m scripts.demo, from the repo root
     from . import simulate

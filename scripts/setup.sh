@@ -28,6 +28,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -m pip install -q --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c "import native.atomics, native.hashing, native.copy, mooncake.store, torch, msgpack, posix_ipc, prometheus_client"
+  .venv/bin/python -c "import kvsidecar._native.atomics, kvsidecar._native.hashing, kvsidecar._native.copy, mooncake.store, torch, msgpack, posix_ipc, prometheus_client"
   echo "$want" > "$stamp"
 fi

@@ -32,15 +32,15 @@ import heapq
 import itertools
 import random
 
-from shm.layout import KVLayout
-from sidecar.config import LimitsConfig, SessionsConfig
-from sidecar.kv.index import KEY, unpack_ids
-from sidecar.kv.ops import KVCore
-from sidecar.l3.cost_model import ReadCostModel
-from sidecar.l3.tier import ReadOutlook, ReadResult
-from sidecar.prefetch.executor import SessionManager
-from sidecar.runtime.clients import ClientInfo
-from sidecar.service import OpError
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
+from kvsidecar.sidecar.kv.index import KEY, unpack_ids
+from kvsidecar.sidecar.kv.ops import KVCore
+from kvsidecar.sidecar.l3.cost_model import ReadCostModel
+from kvsidecar.sidecar.l3.tier import ReadOutlook, ReadResult
+from kvsidecar.sidecar.prefetch.executor import SessionManager
+from kvsidecar.sidecar.runtime.clients import ClientInfo
+from kvsidecar.sidecar.service import OpError
 
 ARMS = {
     "no_prefetch": None,
@@ -113,7 +113,7 @@ def request_stream(p: SimParams) -> list:
 
 # -- the virtual host ---------------------------------------------------------------------------
 class VirtualLoop:
-    """sidecar.service.Host on a virtual clock: posted events run first, then timers in order."""
+    """kvsidecar.sidecar.service.Host on a virtual clock: posted events run first, then timers in order."""
 
     def __init__(self):
         self.t = 0.0

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shm.layout import KVLayout
+from kvsidecar.shm.layout import KVLayout
 
 from scripts import trials as trials_mod
 from scripts.sim_virtual import ARMS, SimParams, bounds_for
@@ -99,7 +99,7 @@ class _Rank:
     def __init__(self, args: dict, rank: int):
         import torch
 
-        from connector.adapter import AdapterConfig, EngineAdapter
+        from kvsidecar.connector.adapter import AdapterConfig, EngineAdapter
 
         self.args, self.rank = args, rank
         lay = self.layout = make_layout(args["tp"])
@@ -264,7 +264,7 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
     finished and the final stats were taken."""
     import threading
 
-    from sidecar.spawn import SidecarProcess
+    from kvsidecar.sidecar.spawn import SidecarProcess
 
     args = dict(base_args, arm=arm, arm_kw=ARMS[arm] if arm_kw is None else arm_kw)
     args["instance"] = f"kvssim{os.getpid()}"
@@ -274,7 +274,7 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
             watcher = threading.Thread(target=while_running, args=(arm, args["instance"], ranks_done), daemon=True)
             watcher.start()
         run = run_ranks(args)
-        from connector.client import SidecarClient
+        from kvsidecar.connector.client import SidecarClient
 
         with SidecarClient(args["instance"]) as c:
             stats = c.call("stats", check=True)
@@ -308,7 +308,7 @@ def bounds(base_args: dict, l3_bytes_per_s: float, latency_s: float, block_bytes
     T = lay.tokens_per_block
     stream = request_stream(base_args["seed"], base_args["requests"], base_args["n_prefixes"],
                             base_args["prefix_tokens"], base_args["suffix_tokens"], base_args["gap_s"])
-    from connector.hashing import BlockHasher
+    from kvsidecar.connector.hashing import BlockHasher
 
     h = BlockHasher(lay)
     keyed = [(arr, rid, h.chain(toks)) for arr, rid, toks in stream]
@@ -339,8 +339,8 @@ class _MooncakeL3:
     """A local master plus a long-lived "holder" sidecar (another node) that keeps the L3 objects."""
 
     def __init__(self, common: dict, base_args: dict):
-        from sidecar.l3.master import MooncakeMaster
-        from sidecar.spawn import SidecarProcess
+        from kvsidecar.sidecar.l3.master import MooncakeMaster
+        from kvsidecar.sidecar.spawn import SidecarProcess
 
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         self.master = MooncakeMaster()
@@ -356,7 +356,7 @@ class _MooncakeL3:
     def _store_via(instance: str, args: dict) -> None:
         # the warm-up arm runs its own sidecar; here the holder must do the writing itself
         run_ranks(dict(args, arm="warmup", arm_kw={"policy": "timeout"}, budget_s=0.0, instance=instance))
-        from connector.client import SidecarClient
+        from kvsidecar.connector.client import SidecarClient
 
         with SidecarClient(instance) as c:  # wait for the write-behind to land in Mooncake
             deadline = time.monotonic() + 120

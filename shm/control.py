@@ -25,7 +25,7 @@
         0   u64 state word       0 = free, else (pid << 8) | SLOT_*
         8   u64 client start     client process start time (clock ticks)
         16  death word           40 B robust pthread mutex the client holds while attached
-                                 (shm.deathword: its death is seen before its teardown)
+                                 (kvsidecar.shm.deathword: its death is seen before its teardown)
         64  doorbell             the client's (sidecar posts after completing)
     [rings: num_slots × (submit ring, completion ring)]
 
@@ -43,7 +43,7 @@ import struct
 
 import msgpack
 
-from native import atomics as _a
+from kvsidecar._native import atomics as _a
 
 from .doorbell import Doorbell
 from .errors import SegmentError

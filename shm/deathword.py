@@ -26,7 +26,7 @@ import os
 import threading
 import time
 
-from native import atomics as _a
+from kvsidecar._native import atomics as _a
 
 log = logging.getLogger(__name__)
 

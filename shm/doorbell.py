@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import time
 
-from native import atomics as _a
+from kvsidecar._native import atomics as _a
 
 DOORBELL_BYTES = 8
 _INT_MAX = 2**31 - 1

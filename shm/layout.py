@@ -19,7 +19,7 @@ import dataclasses
 
 import msgpack
 
-from native.hashing import murmur3_128
+from kvsidecar._native.hashing import murmur3_128
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
                "uint8": 1}

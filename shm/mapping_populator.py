@@ -32,8 +32,8 @@ import logging
 import threading
 import time
 
-from shm import populate as P
-from shm.errors import SegmentError
+from kvsidecar.shm import populate as P
+from kvsidecar.shm.errors import SegmentError
 
 log = logging.getLogger(__name__)
 

@@ -160,7 +160,7 @@ def touch(address: int, length: int, *, write: bool, stop=None, progress=None, c
 
     Writes zeros (only valid on fresh memory) or reads each chunk into a scratch
     buffer; either way the copy runs in C with the GIL released."""
-    from native.copy import copy_bytes
+    from kvsidecar._native.copy import copy_bytes
 
     scratch = ctypes.create_string_buffer(chunk) if not write else None
     done = 0

@@ -3,12 +3,12 @@
 Every request is a map with ``v`` (``PROTOCOL_VERSION``), ``op``, ``id`` (the
 client's sequence number) and the op's fields.  Every completion echoes ``id``
 and carries ``ok: true`` plus result fields, or ``ok: false``, ``err`` (an
-:class:`~shm.errors.ErrorCode`) and ``msg``.  Hash chains travel as one bytes
+:class:`~kvsidecar.shm.errors.ErrorCode`) and ``msg``.  Hash chains travel as one bytes
 blob of ``KEY_BYTES × n``.
 
 Decoding never trusts the peer: msgpack's own length limits stop huge
 containers before they are built, then every field is type- and range-checked
-against the op's schema.  A failure raises :class:`~shm.errors.ProtocolError`
+against the op's schema.  A failure raises :class:`~kvsidecar.shm.errors.ProtocolError`
 carrying the request id when it could be read, so the sidecar can answer it.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from native.hashing import first_duplicate
+from kvsidecar._native.hashing import first_duplicate
 
 from .chain import KEY_BYTES
 from .errors import ErrorCode, ProtocolError
@@ -57,7 +57,7 @@ class OpSchema:
 _TP = {"group": STR, "req": STR, "attempt": INT, "step": INT}
 
 # The op table: every op the sidecar serves, its fields, and whether it needs a KV attach.
-# The control loop refuses to mount a handler for an op that is not here (sidecar.service).
+# The control loop refuses to mount a handler for an op that is not here (kvsidecar.sidecar.service).
 OP_SCHEMAS: dict[str, OpSchema] = {
     "attach": OpSchema(
         {"instance": STR, "group": STR, "rank": INT, "group_size": INT, "pid": INT, "start": INT},

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import struct
 
-from native import atomics as _a
+from kvsidecar._native import atomics as _a
 
 from .errors import ProtocolError, ErrorCode
 

@@ -7,9 +7,9 @@
   copies.  The mapping stays valid until ``close``; callers must not use
   addresses after that.
 * A creator may pass ``init(fd, size)`` to allocate the pages through the file
-  before it is mapped (``shm.populate.fill_zeros`` / ``fallocate``); if ``init``
+  before it is mapped (``kvsidecar.shm.populate.fill_zeros`` / ``fallocate``); if ``init``
   raises, the segment is removed again.  ``populate`` maps every page into the
-  calling process without a per-page Python loop (``shm.populate``).
+  calling process without a per-page Python loop (``kvsidecar.shm.populate``).
 * ``create_memfd`` makes an anonymous segment (e.g. ``MFD_HUGETLB``) that others
   open as ``/proc/<owner pid>/fd/<n>``; it disappears with its last user.
 """
@@ -22,7 +22,7 @@ import os
 
 import posix_ipc
 
-from native.atomics import buffer_address
+from kvsidecar._native.atomics import buffer_address
 
 from . import populate as _populate
 from .errors import SegmentError
@@ -204,12 +204,12 @@ class Segment:
 
     def populate(self, *, threads: int = 1, stop=None, progress=None, chunk: int = _populate.DEFAULT_CHUNK) -> str:
         """Give every page of this mapping a page-table entry (``MADV_POPULATE_READ``, which
-        on a shared mapping maps pages writable; see :mod:`shm.populate`), ``threads``
+        on a shared mapping maps pages writable; see :mod:`kvsidecar.shm.populate`), ``threads``
         workers, GIL released.
 
         Returns the method used: ``"madvise"``, or ``"touch"`` on kernels without
         MADV_POPULATE_* (each chunk read in C).  ``stop``/``progress`` as in
-        :mod:`shm.populate`."""
+        :mod:`kvsidecar.shm.populate`."""
         if self._mm is None:
             raise SegmentError(f"segment {self.name} is closed")
         try:

@@ -1,10 +1,10 @@
-"""``python -m sidecar``: run this node's sidecar (the launcher, ``sidecar.app.main``).
+"""``python -m kvsidecar.sidecar``: run this node's sidecar (the launcher, ``kvsidecar.sidecar.app.main``).
 
 The same entry point is installed as the ``kvsidecar-launch`` console script, and
-``sidecar.spawn.SidecarProcess`` starts children this way.
+``kvsidecar.sidecar.spawn.SidecarProcess`` starts children this way.
 """
 
-from sidecar.app import main
+from kvsidecar.sidecar.app import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

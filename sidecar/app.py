@@ -1,6 +1,6 @@
 """Start a sidecar: create segments (mode 0600), run the control loop, clean up on SIGTERM.
 
-``python -m sidecar --config node.toml --instance kvs0`` (also the ``kvsidecar-launch`` console
+``python -m kvsidecar.sidecar --config node.toml --instance kvs0`` (also the ``kvsidecar-launch`` console
 script and ``scripts/launch_sidecar.py``; see ``main``, which returns the exit code).
 A stale control segment from a dead sidecar is replaced and the generation is
 bumped past it, so clients of the old incarnation fail fast and re-attach.
@@ -21,24 +21,24 @@ import threading
 import time
 from pathlib import Path
 
-from shm.control import ControlSegment, control_segment_bytes, process_start_ticks
-from shm.deathword import DEATH_WORD_OFFSET
-from shm.errors import SegmentError
-from shm.segment import Segment, segment_exists, unlink_segment
+from kvsidecar.shm.control import ControlSegment, control_segment_bytes, process_start_ticks
+from kvsidecar.shm.deathword import DEATH_WORD_OFFSET
+from kvsidecar.shm.errors import SegmentError
+from kvsidecar.shm.segment import Segment, segment_exists, unlink_segment
 
-from sidecar.config import SidecarConfig, load_config
-from sidecar.kv.ops import KVCore
-from sidecar.l3.base import L3Error
-from sidecar.l3.tier import L3Tier
-from sidecar.l3.cost_model import ReadCostModel
-from sidecar.l3.ops import L3Ops
-from sidecar.prefetch.executor import SessionManager
-from sidecar.observe.metrics import MetricsError, MetricsService
-from sidecar.observe.outcome import Observers
-from sidecar.observe.sessionlog import SessionLog
-from sidecar.observe.status import StatusTables
-from sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment, sidecar_populator
-from sidecar.runtime.loop import Sidecar
+from kvsidecar.sidecar.config import SidecarConfig, load_config
+from kvsidecar.sidecar.kv.ops import KVCore
+from kvsidecar.sidecar.l3.base import L3Error
+from kvsidecar.sidecar.l3.tier import L3Tier
+from kvsidecar.sidecar.l3.cost_model import ReadCostModel
+from kvsidecar.sidecar.l3.ops import L3Ops
+from kvsidecar.sidecar.prefetch.executor import SessionManager
+from kvsidecar.sidecar.observe.metrics import MetricsError, MetricsService
+from kvsidecar.sidecar.observe.outcome import Observers
+from kvsidecar.sidecar.observe.sessionlog import SessionLog
+from kvsidecar.sidecar.observe.status import StatusTables
+from kvsidecar.sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment, sidecar_populator
+from kvsidecar.sidecar.runtime.loop import Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SidecarHost:
             self.segments.append(self.pool_segment)
             self.ctl.set_pool_name(self.pool_segment.name)
             self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
-            # a killed client is seen before its address space is torn down (shm.deathword)
+            # a killed client is seen before its address space is torn down (kvsidecar.shm.deathword)
             self.sidecar.liveness.set_death_words(lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
             # the composition root: build the services, wire them to each other once, mount them
             self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits,
@@ -124,7 +124,7 @@ class SidecarHost:
                                    cost_model=prior, sums=self.core.sums, read_lanes=cfg.l3.read_lanes,
                                    landing=self.populator)
                 l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
-            if cfg.metrics.enabled:  # off by default (sidecar.observe.metrics)
+            if cfg.metrics.enabled:  # off by default (kvsidecar.sidecar.observe.metrics)
                 self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,
                                               l3ops=l3ops, generation=self.generation)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
@@ -230,8 +230,8 @@ def _rss_summary() -> str:
 
 def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
     """The configured L3 backend (wrapped for shaping/faults when asked), or None."""
-    from sidecar.l3.filestore import FileStore
-    from sidecar.l3.shaped import ShapedBackend
+    from kvsidecar.sidecar.l3.filestore import FileStore
+    from kvsidecar.sidecar.l3.shaped import ShapedBackend
 
     c = cfg.l3
     if c.backend == "none":
@@ -240,8 +240,8 @@ def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
         backend = FileStore(c.file_dir or os.path.join(cfg.run_dir, f"{cfg.instance}-l3"), c.file_cap_bytes,
                             c.file_fsync)
     else:
-        from sidecar.l3.master import MooncakeMaster
-        from sidecar.l3.mooncake import MooncakeBackend
+        from kvsidecar.sidecar.l3.master import MooncakeMaster
+        from kvsidecar.sidecar.l3.mooncake import MooncakeBackend
 
         master = c.mooncake_master
         if c.spawn_local_master:

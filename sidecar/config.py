@@ -10,7 +10,7 @@ import tomllib
 import typing
 from pathlib import Path
 
-from shm.layout import KVLayout, LayoutError
+from kvsidecar.shm.layout import KVLayout, LayoutError
 
 
 class ConfigError(ValueError):
@@ -29,10 +29,10 @@ class TransportConfig:
 
 @dataclasses.dataclass
 class PoolConfig:
-    """The CPU pool (see ``sidecar.kv.pool_memory``)."""
+    """The CPU pool (see ``kvsidecar.sidecar.kv.pool_memory``)."""
 
     num_blocks: int = 1024
-    # how the pages are allocated at start (sidecar.kv.pool_memory says what each guarantees):
+    # how the pages are allocated at start (kvsidecar.sidecar.kv.pool_memory says what each guarantees):
     # "fallocate" (the default: every page reserved, ENOSPC now, never a SIGBUS later; zeroed
     # by its first toucher), "write" (zeros through the file), "map" (fallocate + parallel
     # MADV_POPULATE_READ of the sidecar's mapping before ready), "touch" (the old Python loop),
@@ -85,7 +85,7 @@ class L3Config:
     mooncake_local_buffer_bytes: int = 64 << 20
     setup_timeout_s: float = 5.0
     # threads running L3 reads (restores, session chunks) from one priority queue; see
-    # sidecar.l3.workers for why one is the default (scripts.bench l3 measures 1 against 8)
+    # kvsidecar.sidecar.l3.workers for why one is the default (scripts.bench l3 measures 1 against 8)
     read_lanes: int = 1
     # Write-behind backlog bound: blocks pinned for L3 PUTs not yet done (0 = a quarter of the
     # pool).  A store that would exceed it (while PUTs are pending) is published in the pool but
@@ -110,7 +110,7 @@ class L3Config:
 
 @dataclasses.dataclass
 class MetricsConfig:
-    """Prometheus exposition (``sidecar.observe.metrics``); off by default."""
+    """Prometheus exposition (``kvsidecar.sidecar.observe.metrics``); off by default."""
 
     enabled: bool = False
     host: str = "127.0.0.1"
@@ -151,7 +151,7 @@ class SidecarConfig:
     instance: str = "kvsidecar"
     run_dir: str = "/tmp/kvsidecar"  # ready marker and logs
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
-    # the engine's KV layout; ranks must attach with the same (shm.layout is the shared contract)
+    # the engine's KV layout; ranks must attach with the same (kvsidecar.shm.layout is the shared contract)
     layout: KVLayout = dataclasses.field(default_factory=KVLayout)
     pool: PoolConfig = dataclasses.field(default_factory=PoolConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)

@@ -6,7 +6,7 @@
 It maps the control segment read-only and never sends a request, so it cannot disturb the
 sidecar or its clients.  It imports ``shm`` only (no client, no connector), so nothing here can
 attach or post.  What it shows of sessions, leases and the pool is what the sidecar's control
-thread published into the segment's seqlocked stats blob (``shm.control``: at most every
+thread published into the segment's seqlocked stats blob (``kvsidecar.shm.control``: at most every
 ``transport.stats_interval_ms`` after work); slots and ring depths are read live.
 
 ``--watch`` redraws in place (plain ANSI: cursor home, clear to end of line / screen) until
@@ -42,9 +42,9 @@ import json
 import sys
 import time
 
-from shm.control import SLOT_NAMES, STATE_NAMES, ControlSegment, process_start_ticks
-from shm.errors import SegmentError
-from shm.segment import Segment
+from kvsidecar.shm.control import SLOT_NAMES, STATE_NAMES, ControlSegment, process_start_ticks
+from kvsidecar.shm.errors import SegmentError
+from kvsidecar.shm.segment import Segment
 
 SCHEMA_VERSION = 1
 SCHEMA_ID = f"kvsidecar.inspect/{SCHEMA_VERSION}"

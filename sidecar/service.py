@@ -3,7 +3,7 @@
 A service (KV ops, L3 ops, prefetch sessions, later metrics) is an object with:
 
 * ``ops()`` → ``{op name: handler(conn, msg) -> dict | DEFERRED}``; every name must have a
-  schema in :data:`shm.protocol.OP_SCHEMAS` (which also says whether the op needs a client
+  schema in :data:`kvsidecar.shm.protocol.OP_SCHEMAS` (which also says whether the op needs a client
   attached with a KV layout) and be served by exactly one service;
 * ``validate_attach(conn, msg)`` → raise :class:`OpError` to refuse a KV attach;
 * ``client_gone(conn)`` → release what that client incarnation held (runs exactly once);
@@ -12,7 +12,7 @@ A service (KV ops, L3 ops, prefetch sessions, later metrics) is an object with:
   publishes into the control segment (not into the ``stats`` op's answer);
 * ``check()`` → ``""`` when its accounting invariants hold, else what broke.
 
-Services never import the loop (``sidecar.runtime.loop``): they get what they need of it — ``post``,
+Services never import the loop (``kvsidecar.sidecar.runtime.loop``): they get what they need of it — ``post``,
 ``call_at``, ``reply``, the client table — through the :class:`Host` they are given.  Handlers
 run on the control thread and own their state without locks.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from shm.errors import ErrorCode
+from kvsidecar.shm.errors import ErrorCode
 
 DEFERRED = object()  # a handler's result meaning "the completion comes later, via Host.reply()"
 

@@ -1,6 +1,6 @@
 """Start a sidecar as a child process and wait (bounded, no polling) until it is ready.
 
-Used by the demo, the benchmarks and the tests.  The child is ``python -m sidecar``
+Used by the demo, the benchmarks and the tests.  The child is ``python -m kvsidecar.sidecar``
 (the launcher) under this interpreter; it announces readiness on an inherited pipe and
 the parent blocks in ``select`` on it with a deadline.
 """
@@ -21,12 +21,12 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def launcher_argv() -> list[str]:
-    """The command that runs the launcher: this interpreter, ``-m sidecar``."""
-    return [sys.executable, "-m", "sidecar"]
+    """The command that runs the launcher: this interpreter, ``-m kvsidecar.sidecar``."""
+    return [sys.executable, "-m", "kvsidecar.sidecar"]
 
 
 def child_env(env: dict | None = None, cwd: str | None = None) -> dict | None:
-    """``env`` (default: this process's environment) such that ``python -m sidecar`` started
+    """``env`` (default: this process's environment) such that ``python -m kvsidecar.sidecar`` started
     with it in ``cwd`` imports this very package.
 
     An installed kvsidecar (editable or not) needs nothing: None comes back when ``env`` was

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from sidecar.spawn import SidecarProcess
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 # Per test process, so two test runs on one machine never mistake each other's segments for leaks.
 SHM_PREFIX = f"kvst{os.getpid()}-"
@@ -46,7 +46,7 @@ def _children() -> set[int]:
     return out
 
 
-RUN_DIR = "/tmp/kvsidecar"  # sidecar.config's default run_dir, which most tests' sidecars use
+RUN_DIR = "/tmp/kvsidecar"  # kvsidecar.sidecar.config's default run_dir, which most tests' sidecars use
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -117,7 +117,7 @@ def sidecar(sidecar_factory) -> SidecarProcess:
 @pytest.fixture
 def mooncake_master():
     """A real mooncake_master on 127.0.0.1 (free ports), stopped by pid after the test."""
-    from sidecar.l3.master import MooncakeMaster
+    from kvsidecar.sidecar.l3.master import MooncakeMaster
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     m = MooncakeMaster(client_ttl_s=2, kv_lease_ttl_ms=200)

@@ -39,7 +39,7 @@ def small_kv(n_blocks: int, seed: int = 0) -> list:
 def fill_l3(start_sidecar, instance: str, lay, overrides: dict, kv, tokens) -> bytes:
     """Write ``tokens``' blocks to the file-store L3 through a sidecar started with
     ``start_sidecar(**overrides)``, which is then stopped; returns the chain."""
-    from connector.kv_client import KVConnector
+    from kvsidecar.connector.kv_client import KVConnector
 
     sp = start_sidecar(**overrides)
     with KVConnector(instance, lay) as c:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from connector.client import SidecarClient
+from kvsidecar.connector.client import SidecarClient
 
 
 def echo_worker(instance: str, rank: int, n: int, conn) -> None:
@@ -52,7 +52,7 @@ def make_kv(layout_dict: dict, rank: int, num_pages: int, seed: int):
     """Engine KV tensors for one rank, filled with a pattern that depends on (seed, rank)."""
     import torch
 
-    from shm.layout import KVLayout
+    from kvsidecar.shm.layout import KVLayout
 
     lay = KVLayout(**layout_dict)
     g = torch.Generator().manual_seed(seed * 1000 + lay.shard_of(rank))
@@ -74,9 +74,9 @@ def kv_rank_worker(instance: str, layout_dict: dict, rank: int, group: str, conn
     """A TP rank driven by commands over a pipe; replies (ok, result)."""
     import torch
 
-    from connector.kv_client import KVConnector
-    from shm.errors import KvSidecarError
-    from shm.layout import KVLayout
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.errors import KvSidecarError
+    from kvsidecar.shm.layout import KVLayout
 
     lay = KVLayout(**layout_dict)
     kc = KVConnector(instance, lay, rank=rank, group=group, namespace=namespace, verify_loads="all")
@@ -154,7 +154,7 @@ def chain_kv(layout_dict: dict, rank: int, tokens):
     chain's blocks copies visibly wrong KV."""
     import torch
 
-    from shm.layout import KVLayout
+    from kvsidecar.shm.layout import KVLayout
 
     lay = KVLayout(**layout_dict)
     tpb, n = lay.tokens_per_block, len(tokens) // lay.tokens_per_block
@@ -176,9 +176,9 @@ def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, se
 
     import torch
 
-    from connector.kv_client import KVConnector
-    from shm.errors import ErrorCode, RemoteError
-    from shm.layout import KVLayout
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.errors import ErrorCode, RemoteError
+    from kvsidecar.shm.layout import KVLayout
 
     lay = KVLayout(**layout_dict)
     T = lay.tokens_per_block
@@ -232,8 +232,8 @@ def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, se
 
 def prefetch_and_block(instance: str, layout_dict: dict, chain: bytes, conn) -> None:
     """Start a prefetch, report, then wait to be killed."""
-    from connector.kv_client import KVConnector
-    from shm.layout import KVLayout
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.layout import KVLayout
 
     kc = KVConnector(instance, KVLayout(**layout_dict), group="doomed")
     kc.attach()
@@ -244,8 +244,8 @@ def prefetch_and_block(instance: str, layout_dict: dict, chain: bytes, conn) -> 
 
 def kv_attach_and_wait(instance: str, layout_dict: dict, rank: int, group: str, conn) -> None:
     """Attach a KV rank, report, then wait for the parent's word (or be killed)."""
-    from connector.kv_client import KVConnector
-    from shm.layout import KVLayout
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.layout import KVLayout
 
     c = KVConnector(instance, KVLayout(**layout_dict), rank=rank, group=group)
     c.attach()

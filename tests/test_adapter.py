@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from connector.adapter import AdapterConfig, EngineAdapter
+from kvsidecar.connector.adapter import AdapterConfig, EngineAdapter
 from scripts import simulate
-from shm.layout import KVLayout
+from kvsidecar.shm.layout import KVLayout
 
 from .helpers import wait_l3_idle
 

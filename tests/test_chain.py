@@ -1,8 +1,8 @@
-"""shm.chain: the one place that knows the layout of a chain and of a block-id list."""
+"""kvsidecar.shm.chain: the one place that knows the layout of a chain and of a block-id list."""
 
 import os
 
-from shm import chain
+from kvsidecar.shm import chain
 
 
 def test_chain_slices_and_sizes():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sidecar.config import ConfigError, load_config
-from sidecar.app import parse_overrides
+from kvsidecar.sidecar.config import ConfigError, load_config
+from kvsidecar.sidecar.app import parse_overrides
 
 
 def test_toml_and_overrides(tmp_path):

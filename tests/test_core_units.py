@@ -4,11 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm.errors import ErrorCode
-from sidecar.kv.index import PoolError, PrefixIndex, pack_ids, unpack_ids
-from sidecar.kv.leases import LeaseError, LeaseTable
-from sidecar.kv.admission import PoolManager, Refusal
-from sidecar.kv.staging import StagingTable
+from kvsidecar.shm.errors import ErrorCode
+from kvsidecar.sidecar.kv.index import PoolError, PrefixIndex, pack_ids, unpack_ids
+from kvsidecar.sidecar.kv.leases import LeaseError, LeaseTable
+from kvsidecar.sidecar.kv.admission import PoolManager, Refusal
+from kvsidecar.sidecar.kv.staging import StagingTable
 
 
 def key(*path) -> bytes:

@@ -1,4 +1,4 @@
-"""The cost_aware policy: its arithmetic (sidecar.prefetch.cost), the session machine driving it
+"""The cost_aware policy: its arithmetic (kvsidecar.sidecar.prefetch.cost), the session machine driving it
 with a fake clock (every trigger x estimate regime), the L3 read-cost estimator, and the
 executor feeding it (the deterministic bench of test_executor_bench)."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from shm.errors import ErrorCode, ProtocolError
-from shm.protocol import PROTOCOL_VERSION, decode_request, encode
-from sidecar.l3.cost_model import ReadCostModel, ReadEstimate
-from sidecar.prefetch import cost
-from sidecar.prefetch.cost import Outlook
-from sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Finish, IllegalEvent, Params, Policy, QueryDone,
+from kvsidecar.shm.errors import ErrorCode, ProtocolError
+from kvsidecar.shm.protocol import PROTOCOL_VERSION, decode_request, encode
+from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
+from kvsidecar.sidecar.prefetch import cost
+from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Finish, IllegalEvent, Params, Policy, QueryDone,
                                       Replan, Session, Start, State, Status, Tick)
 from tests.test_executor_bench import Bench, terminal
 

@@ -1,4 +1,4 @@
-"""The doorbell's adaptive spin (shm.doorbell) and the client's wait after waking the sidecar."""
+"""The doorbell's adaptive spin (kvsidecar.shm.doorbell) and the client's wait after waking the sidecar."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import mmap
 import threading
 import time
 
-from connector.client import SidecarClient
-from shm import doorbell as D
-from shm.doorbell import Doorbell
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.shm import doorbell as D
+from kvsidecar.shm.doorbell import Doorbell
 
 
 def _bell(spin_s=50e-6):

@@ -1,4 +1,4 @@
-"""Entry points: ``python -m sidecar`` (what ``SidecarProcess`` starts), the console scripts of
+"""Entry points: ``python -m kvsidecar.sidecar`` (what ``SidecarProcess`` starts), the console scripts of
 pyproject.toml, the read-only inspector, and a child that must run *this* package even where
 the working directory or PYTHONPATH would give it another one."""
 
@@ -13,25 +13,25 @@ import time
 import tomllib
 from pathlib import Path
 
-from connector.client import SidecarClient
-from sidecar import spawn
-from sidecar.spawn import SidecarProcess, child_env, launcher_argv
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.sidecar import spawn
+from kvsidecar.sidecar.spawn import SidecarProcess, child_env, launcher_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_console_scripts_resolve_to_mains():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"kvsidecar-launch": "sidecar.app:main", "kvsidecar-inspect": "sidecar.inspector:main"}
+    assert scripts == {"kvsidecar-launch": "kvsidecar.sidecar.app:main", "kvsidecar-inspect": "kvsidecar.sidecar.inspector:main"}
     for target in scripts.values():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), target
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    assert {"sidecar", "sidecar.l3", "shm", "connector", "native"} <= set(packages)
+    assert {"sidecar", "kvsidecar.sidecar.l3", "shm", "connector", "native"} <= set(packages)
 
 
 def test_python_m_sidecar_is_the_launcher(tmp_path):
-    assert launcher_argv() == [sys.executable, "-m", "sidecar"]
+    assert launcher_argv() == [sys.executable, "-m", "kvsidecar.sidecar"]
     r = subprocess.run(launcher_argv() + ["--help"], capture_output=True, text=True, timeout=60,
                        env=child_env(cwd=str(tmp_path)), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -45,7 +45,7 @@ def test_python_m_sidecar_is_the_launcher(tmp_path):
 def _published(instance, pings, timeout_s=20.0) -> dict:
     """The inspector's snapshot once the published stats count ``pings`` pings (stats are published
     at most every stats_interval_ms, after the sidecar did some work)."""
-    from sidecar import inspector
+    from kvsidecar.sidecar import inspector
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -59,7 +59,7 @@ def _published(instance, pings, timeout_s=20.0) -> dict:
 
 
 def test_inspector_reads_without_sending_a_request(sidecar, instance):
-    from sidecar import inspector
+    from kvsidecar.sidecar import inspector
 
     c = SidecarClient(instance, group="g", rank=0, group_size=1)
     c.attach()
@@ -69,8 +69,8 @@ def test_inspector_reads_without_sending_a_request(sidecar, instance):
         before = _published(instance, 3)
         assert before["sidecar"]["alive"] and before["sidecar"]["pid"] == sidecar.pid
         assert len(before["clients"]) == 1  # the client's; the inspector holds none
-        # the module (as ``python -m sidecar.inspector`` and the console script run it) and the wrapper
-        r = subprocess.run([sys.executable, "-m", "sidecar.inspector", "--instance", instance, "--json"],
+        # the module (as ``python -m kvsidecar.sidecar.inspector`` and the console script run it) and the wrapper
+        r = subprocess.run([sys.executable, "-m", "kvsidecar.sidecar.inspector", "--instance", instance, "--json"],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["sidecar"]["pid"] == sidecar.pid
@@ -90,7 +90,7 @@ def test_inspector_reads_without_sending_a_request(sidecar, instance):
 
 
 def test_inspector_without_sidecar_exits_1(instance, capsys):
-    from sidecar import inspector
+    from kvsidecar.sidecar import inspector
 
     assert inspector.main(["--instance", instance]) == 1
     assert "no sidecar" in capsys.readouterr().err
@@ -123,10 +123,10 @@ def test_child_runs_this_package_from_anywhere(instance, tmp_path, monkeypatch):
 
 def test_sglang_plugin_entry_point_installs_into_a_fresh_venv(tmp_path):
     """scripts/sglang/setup_venv.sh installs kvsidecar's metadata with install_metadata.py: in a
-    brand-new virtualenv, SGLang's plugin group then names connector.sglang_plugin:load from this
+    brand-new virtualenv, SGLang's plugin group then names kvsidecar.connector.sglang_plugin:load from this
     checkout (what SGLang's load_plugins() discovers in every scheduler process)."""
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert eps["sglang.srt.plugins"] == {"kvsidecar": "connector.sglang_plugin:load"}
+    assert eps["sglang.srt.plugins"] == {"kvsidecar": "kvsidecar.connector.sglang_plugin:load"}
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
@@ -137,8 +137,8 @@ def test_sglang_plugin_entry_point_installs_into_a_fresh_venv(tmp_path):
     probe = ("from importlib.metadata import entry_points; import json; "
              "print(json.dumps([[e.name, e.value, e.dist.name] for e in entry_points(group='sglang.srt.plugins')]))")
     r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert json.loads(r.stdout) == [["kvsidecar", "connector.sglang_plugin:load", "kvsidecar"]], r.stderr
-    r = subprocess.run([py, "-c", "import importlib.util as u; print(u.find_spec('connector.sglang_plugin').origin)"],
+    assert json.loads(r.stdout) == [["kvsidecar", "kvsidecar.connector.sglang_plugin:load", "kvsidecar"]], r.stderr
+    r = subprocess.run([py, "-c", "import importlib.util as u; print(u.find_spec('kvsidecar.connector.sglang_plugin').origin)"],
                        capture_output=True,
                        text=True, timeout=60, cwd=tmp_path)
     assert r.stdout.strip().startswith(str(ROOT)), r.stderr

@@ -16,16 +16,16 @@ import random
 
 import pytest
 
-from shm.errors import ErrorCode
-from shm.layout import KVLayout
-from sidecar.runtime.clients import ClientInfo
-from sidecar.config import LimitsConfig, SessionsConfig
-from sidecar.kv.ops import KVCore
-from sidecar.kv.index import KEY, unpack_ids
-from sidecar.l3.cost_model import ReadEstimate
-from sidecar.l3.tier import QUEUED, ReadOutlook, ReadResult, read_priority
-from sidecar.service import OpError
-from sidecar.prefetch.executor import SessionManager
+from kvsidecar.shm.errors import ErrorCode
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.runtime.clients import ClientInfo
+from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
+from kvsidecar.sidecar.kv.ops import KVCore
+from kvsidecar.sidecar.kv.index import KEY, unpack_ids
+from kvsidecar.sidecar.l3.cost_model import ReadEstimate
+from kvsidecar.sidecar.l3.tier import QUEUED, ReadOutlook, ReadResult, read_priority
+from kvsidecar.sidecar.service import OpError
+from kvsidecar.sidecar.prefetch.executor import SessionManager
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4, tp_size=1)
 
@@ -39,7 +39,7 @@ class Clock:
 
 
 class Loop:
-    """sidecar.service.Host over a fake clock: posted events and timers run when the test says."""
+    """kvsidecar.sidecar.service.Host over a fake clock: posted events and timers run when the test says."""
 
     def __init__(self, clock: Clock):
         self.clock = clock

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar.config import ConfigError, load_config
-from sidecar.spawn import SidecarStartError
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.config import ConfigError, load_config
+from kvsidecar.sidecar.spawn import SidecarStartError
 
 from .helpers import wait_until
 

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar.kv.pool_memory import HUGE_PAGE, hugetlbfs_mount
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.kv.pool_memory import HUGE_PAGE, hugetlbfs_mount
 
 from .helpers import store_get_load_equal
 

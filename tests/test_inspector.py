@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar import inspector
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar import inspector
 
 from .helpers import file_l3_overrides, fill_l3, small_kv
 
@@ -100,7 +100,7 @@ def test_json_schema_with_a_session_and_a_lease(sidecar_factory, instance, tmp_p
         (me,) = view["clients"]
         assert me["group"] == "insp" and me["rank"] == 0 and me["requests"] >= 2 and me["requests_per_s"] > 0
         # the command line prints the same document (validated as a consumer would)
-        r = subprocess.run([sys.executable, "-m", "sidecar.inspector", "--instance", instance, "--json"],
+        r = subprocess.run([sys.executable, "-m", "kvsidecar.sidecar.inspector", "--instance", instance, "--json"],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
@@ -142,7 +142,7 @@ def test_watch_in_tmux_shows_live_session_and_lease_then_their_absence(sidecar_f
     # slow reads (0.2 s per 2-block chunk): the session runs for seconds, long enough to be seen
     sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 200.0, "sessions.retained_ttl_s": 1.0}))
     sock = f"kvsinsp{uuid.uuid4().hex[:8]}"
-    cmd = f"{sys.executable} -m sidecar.inspector --instance {instance} --watch 0.1"
+    cmd = f"{sys.executable} -m kvsidecar.sidecar.inspector --instance {instance} --watch 0.1"
     _tmux(sock, "new-session", "-d", "-s", "w", "-x", "150", "-y", "60", "-c", str(ROOT), cmd)
     try:
         _screen_until(sock, lambda s: "(no sessions)" in s and "(no leases)" in s, "an empty sidecar")

@@ -15,11 +15,11 @@ import struct
 import pytest
 import torch
 
-from connector.kv_client import SAMPLE_EVERY, KVConnector
-from native import checksum as native_sums
-from native.hashing import murmur3_128
-from shm.errors import CorruptBlock, ErrorCode, RemoteError
-from shm.layout import KVLayout
+from kvsidecar.connector.kv_client import SAMPLE_EVERY, KVConnector
+from kvsidecar._native import checksum as native_sums
+from kvsidecar._native.hashing import murmur3_128
+from kvsidecar.shm.errors import CorruptBlock, ErrorCode, RemoteError
+from kvsidecar.shm.layout import KVLayout
 
 from .helpers import file_l3_overrides, small_kv, store_to_l3, wait_terminal
 
@@ -57,7 +57,7 @@ def test_xxh3_is_the_reference_function_seeded_by_key_and_shard():
 
 
 def test_checksum_table_scatter_gather_verify():
-    from sidecar.kv.checksums import ChecksumTable
+    from kvsidecar.sidecar.kv.checksums import ChecksumTable
 
     blocks, shards, bb = 6, 2, 256
     pool = (ctypes.c_char * (blocks * bb))()

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from connector.client import SidecarClient
-from connector.kv_client import KVConnector
-from shm.errors import ErrorCode, RemoteError
-from shm.layout import KVLayout
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.errors import ErrorCode, RemoteError
+from kvsidecar.shm.layout import KVLayout
 
 from . import procs
 
@@ -245,7 +245,7 @@ def test_bad_ids_foreign_leases_and_oversize_chains(sidecar_factory, instance):
             with pytest.raises(RemoteError) as ei:
                 bad()
         except Exception as exc:  # the client-side encoder may refuse first: also typed
-            from shm.errors import ProtocolError
+            from kvsidecar.shm.errors import ProtocolError
 
             assert isinstance(exc, ProtocolError) and exc.code == code
             continue

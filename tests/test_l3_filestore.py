@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar.l3.filestore import FileStore
-from sidecar.l3.shaped import ShapedBackend
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.l3.filestore import FileStore
+from kvsidecar.sidecar.l3.shaped import ShapedBackend
 
 from . import helpers
 
@@ -152,7 +152,7 @@ def test_restore_publishes_only_the_prefix_before_a_failure(sidecar_factory, ins
     files = sorted((os.path.getmtime(os.path.join(r, f)), os.path.join(r, f))
                    for r, _, fs in os.walk(tmp_path / "l3") for f in fs)
     assert len(files) == 10
-    from connector.hashing import BlockHasher
+    from kvsidecar.connector.hashing import BlockHasher
 
     chain = BlockHasher(LAY).chain(tokens)
     victim = next(p for _, p in files if chain[6 * 16:7 * 16].hex() in p)

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from connector.kv_client import KVConnector
-from shm.errors import ErrorCode, RemoteError
-from shm.layout import KVLayout
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.errors import ErrorCode, RemoteError
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 from .helpers import store_to_l3, wait_l3_idle, wait_terminal
 
@@ -135,7 +135,7 @@ def test_master_killed_mid_transfer_sidecar_keeps_serving(node_pair, instance, m
         st = c.stats(check=True)
         assert st["invariants"] == "" and st["pool"]["staging"] == 0
         # the master comes back on the same port: the sidecar is still serving, nothing broke
-        from sidecar.l3.master import MooncakeMaster
+        from kvsidecar.sidecar.l3.master import MooncakeMaster
 
         again = MooncakeMaster(rpc_port=mooncake_master.rpc_port)
         try:
@@ -150,8 +150,8 @@ def test_master_killed_mid_transfer_sidecar_keeps_serving(node_pair, instance, m
 
 
 def test_unreachable_master_is_a_clear_startup_error(instance):
-    from sidecar.l3.master import free_port
-    from sidecar.spawn import SidecarStartError
+    from kvsidecar.sidecar.l3.master import free_port
+    from kvsidecar.sidecar.spawn import SidecarStartError
 
     d = {f"layout.{k}": v for k, v in LAY.as_dict().items()}
     d.update({"l3.backend": "mooncake", "l3.mooncake_master": f"127.0.0.1:{free_port()}",

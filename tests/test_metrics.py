@@ -1,4 +1,4 @@
-"""Prometheus exposition (sidecar.observe.metrics) against real sidecars: the series an operator
+"""Prometheus exposition (kvsidecar.sidecar.observe.metrics) against real sidecars: the series an operator
 reads, scraped over HTTP, checked against the simulator's own totals and the sidecar's books."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.client import SidecarClient
-from connector.kv_client import KVConnector
-from shm.errors import RemoteError
-from shm.layout import KVLayout
-from sidecar import inspector
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.errors import RemoteError
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar import inspector
 
 from .helpers import file_l3_overrides, store_to_l3, wait_terminal
 
@@ -186,7 +186,7 @@ def test_scrape_during_simulator_run_matches_its_totals():
 
 
 class _StalledLoop:
-    """The part of sidecar.service.Host a scrape uses, for a control thread that is busy: posted
+    """The part of kvsidecar.sidecar.service.Host a scrape uses, for a control thread that is busy: posted
     work waits until the test runs it (the one way to hold a real loop deterministically)."""
 
     def __init__(self):
@@ -209,9 +209,9 @@ class _StalledLoop:
 
 
 def test_a_scrape_never_waits_past_its_budget_and_says_stale():
-    from sidecar.config import MetricsConfig, load_config
-    from sidecar.kv.ops import KVCore
-    from sidecar.observe.metrics import MetricsService
+    from kvsidecar.sidecar.config import MetricsConfig, load_config
+    from kvsidecar.sidecar.kv.ops import KVCore
+    from kvsidecar.sidecar.observe.metrics import MetricsService
 
     cfg = load_config(None, {"layout.num_layers": 1, "layout.head_dim": 8, "pool.num_blocks": 64})
     loop = _StalledLoop()
@@ -248,7 +248,7 @@ def test_a_taken_port_is_a_clear_startup_error(instance, tmp_path):
     import socket
     import subprocess
 
-    from sidecar.spawn import child_env, launcher_argv
+    from kvsidecar.sidecar.spawn import child_env, launcher_argv
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

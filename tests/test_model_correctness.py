@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from connector.adapter import AdapterConfig, EngineAdapter
-from shm.layout import KVLayout
+from kvsidecar.connector.adapter import AdapterConfig, EngineAdapter
+from kvsidecar.shm.layout import KVLayout
 
 from .helpers import wait_l3_idle
 from .tiny_model import HD, HPR, LAYERS, TP, TinyModel, greedy

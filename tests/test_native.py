@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from native import atomics as a
-from native import copy as ncopy
-from native import hashing
-from shm.segment import Segment
+from kvsidecar._native import atomics as a
+from kvsidecar._native import copy as ncopy
+from kvsidecar._native import hashing
+from kvsidecar.shm.segment import Segment
 
 
 @pytest.fixture

@@ -15,16 +15,16 @@ import time
 
 import pytest
 
-import shm.populate as P
-from connector.kv_client import KVConnector
-from connector.pool_populate import PoolPopulator
-from shm.deathword import DEATH_WORD_OFFSET, DeathSentinel, DeathWordWatch
-from shm.errors import SegmentError
-from shm.layout import KVLayout
-from shm.segment import Segment, unlink_segment
-from sidecar.config import ConfigError, load_config
-from sidecar.kv.pool_memory import create_pool_segment
-from sidecar.spawn import child_env, launcher_argv
+import kvsidecar.shm.populate as P
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.connector.pool_populate import PoolPopulator
+from kvsidecar.shm.deathword import DEATH_WORD_OFFSET, DeathSentinel, DeathWordWatch
+from kvsidecar.shm.errors import SegmentError
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.shm.segment import Segment, unlink_segment
+from kvsidecar.sidecar.config import ConfigError, load_config
+from kvsidecar.sidecar.kv.pool_memory import create_pool_segment
+from kvsidecar.sidecar.spawn import child_env, launcher_argv
 
 from .helpers import store_get_load_equal
 
@@ -56,7 +56,7 @@ def _shm_allocated(name: str) -> int:
 ])
 def test_pool_allocation_modes(instance, mode, allocated, mapped, caplog):
     size = 8 * MiB
-    with caplog.at_level(logging.INFO, logger="sidecar.kv.pool_memory"):
+    with caplog.at_level(logging.INFO, logger="kvsidecar.sidecar.kv.pool_memory"):
         seg = create_pool_segment(_cfg(instance, **{"pool.populate": mode, "pool.populate_threads": 2}), size)
     try:
         assert seg.size == size and seg.page_size == P.PAGE
@@ -107,7 +107,7 @@ def test_failed_init_removes_the_segment(instance):
 def test_hugepages_auto_falls_back_with_a_log_line(instance, caplog):
     if P.hugepages_available() >= 2 * MiB:
         pytest.skip("this machine has free huge pages: auto uses them")
-    with caplog.at_level(logging.INFO, logger="sidecar.kv.pool_memory"):
+    with caplog.at_level(logging.INFO, logger="kvsidecar.sidecar.kv.pool_memory"):
         seg = create_pool_segment(_cfg(instance, **{"pool.hugepages": "auto"}), 4 * MiB)
     try:
         assert seg.name == f"/{instance}.pool" and seg.page_size == P.PAGE
@@ -145,7 +145,7 @@ def test_bad_pool_options_are_config_errors(instance):
 @pytest.mark.parametrize("mode,phase", [("write", "allocating"), ("map", "mapping")])
 def test_sigterm_during_prefault_stops_cleanly_and_unlinks(instance, tmp_path, mode, phase):
     """A 1 GiB pool: SIGTERM once the progress log shows the allocation under way."""
-    args = launcher_argv() + [  # python -m sidecar
+    args = launcher_argv() + [  # python -m kvsidecar.sidecar
         "--instance", instance, "--log-level", "INFO",
         "--set", "l3.backend=\"none\"", "--set", f"run_dir=\"{tmp_path}\"", "--set", "pool.hugepages=\"off\"",
         "--set", f"pool.populate=\"{mode}\"", "--set", "pool.num_blocks=131072"]  # 131072 x 8 KiB = 1 GiB
@@ -234,7 +234,7 @@ def test_cuda_registration_hook(instance, caplog):
     calls = []
     try:
         pop = PoolPopulator(seg, cuda_device=0, registrar=lambda addr, size, dev: calls.append((addr, size, dev)))
-        with caplog.at_level(logging.INFO, logger="connector.pool_populate"):
+        with caplog.at_level(logging.INFO, logger="kvsidecar.connector.pool_populate"):
             pop.run()
         assert calls == [(seg.address, seg.size, 0)]
         assert pop.cuda_registered and pop.method == "cudaHostRegister" and pop.wait_registration(0)

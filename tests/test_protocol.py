@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm import protocol as p
-from shm.errors import ErrorCode, ProtocolError
+from kvsidecar.shm import protocol as p
+from kvsidecar.shm.errors import ErrorCode, ProtocolError
 
 
 def req(**kw):

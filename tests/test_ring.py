@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm.ring import RingConsumer, RingCorrupted, RingProducer, frame_bytes, ring_region_bytes
-from shm.segment import Segment
+from kvsidecar.shm.ring import RingConsumer, RingCorrupted, RingProducer, frame_bytes, ring_region_bytes
+from kvsidecar.shm.segment import Segment
 
 from .conftest import SHM_PREFIX
 

@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar.observe.outcome import SessionOutcome
-from sidecar.observe.sessionlog import format_line, parse_line
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.observe.outcome import SessionOutcome
+from kvsidecar.sidecar.observe.sessionlog import format_line, parse_line
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 from .helpers import file_l3_overrides, store_to_l3, wait_terminal
 

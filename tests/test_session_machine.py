@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.prefetch.cost import Outlook
-from sidecar.prefetch.machine import (
+from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.machine import (
     Abort,
     ChunkAbandoned,
     ChunkDone,

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from connector.kv_client import KVConnector
-from shm.errors import ErrorCode, RemoteError
-from shm.layout import KVLayout
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.errors import ErrorCode, RemoteError
+from kvsidecar.shm.layout import KVLayout
 
 from .helpers import file_l3_overrides, fill_l3, small_kv, wait_l3_idle, wait_terminal
 

@@ -1,4 +1,4 @@
-"""kvsidecar's configuration inside SGLang (``connector.sglang_config``): typed, from a TOML file
+"""kvsidecar's configuration inside SGLang (``kvsidecar.connector.sglang_config``): typed, from a TOML file
 named in SGLang's storage-backend extra config plus inline keys; SGLang's own keys left alone;
 every bad key or value a PluginConfigError at start."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.sglang_config import PluginConfig, PluginConfigError, SessionConfig, load_plugin_config
+from kvsidecar.connector.sglang_config import PluginConfig, PluginConfigError, SessionConfig, load_plugin_config
 
 
 def test_defaults_file_and_inline_keys_merge(tmp_path):

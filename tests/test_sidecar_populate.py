@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
-import shm.populate as P
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from shm.mapping_populator import PoolPopulator
-from shm.segment import Segment
+import kvsidecar.shm.populate as P
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.shm.mapping_populator import PoolPopulator
+from kvsidecar.shm.segment import Segment
 
 from .helpers import file_l3_overrides, store_to_l3, wait_until
 
@@ -110,12 +110,12 @@ def test_restore_racing_the_sidecars_populate_publishes_the_stored_bytes(sidecar
 
 
 def test_no_l3_no_populate_and_config_is_checked(sidecar_factory, instance):
-    from sidecar.config import ConfigError, load_config
+    from kvsidecar.sidecar.config import ConfigError, load_config
 
     for bad in ({"pool.sidecar_populate": "always"}, {"pool.cuda_register": "yes"}, {"l3.read_lanes": 0}):
         with pytest.raises(ConfigError):
             load_config(None, dict(bad, instance="x"))
-    from sidecar.kv.pool_memory import sidecar_populator
+    from kvsidecar.sidecar.kv.pool_memory import sidecar_populator
 
     cfg = load_config(None, {"instance": "x"})
     assert cfg.pool.populate == "fallocate" and cfg.pool.sidecar_populate == "auto"
@@ -135,7 +135,7 @@ def test_a_lane_with_several_threads_runs_jobs_side_by_side_and_stops_cleanly():
     stop runs what was queued before it (each owner hears once) and every thread exits."""
     import collections
 
-    from sidecar.l3.workers import Lane
+    from kvsidecar.sidecar.l3.workers import Lane
 
     posted = collections.deque()
     lane_box = []

@@ -9,11 +9,11 @@ import time
 import msgpack
 import pytest
 
-from connector.client import SidecarClient
-from shm.control import SLOT_FREE, ControlSegment
-from shm.errors import ErrorCode, RemoteError, SidecarBusy, SidecarUnavailable
-from shm.segment import Segment
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.shm.control import SLOT_FREE, ControlSegment
+from kvsidecar.shm.errors import ErrorCode, RemoteError, SidecarBusy, SidecarUnavailable
+from kvsidecar.shm.segment import Segment
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 from . import procs
 
@@ -136,7 +136,7 @@ def test_sigterm_unlinks_and_clients_fail_fast(sidecar_factory, instance):
 
 
 def test_second_sidecar_on_same_instance_is_refused(sidecar, instance):
-    from sidecar.spawn import SidecarStartError
+    from kvsidecar.sidecar.spawn import SidecarStartError
 
     with pytest.raises(SidecarStartError):
         SidecarProcess(instance, start_timeout_s=10)
@@ -178,7 +178,7 @@ def test_bad_frames_answered_and_counted(sidecar, instance, frame, code):
 
 def test_oversize_frame_refused_by_client_and_sidecar(sidecar, instance):
     with SidecarClient(instance) as c:
-        from shm.errors import ProtocolError
+        from kvsidecar.shm.errors import ProtocolError
 
         with pytest.raises(ProtocolError):
             c.call("ping", payload=b"x" * (300 * 1024))
@@ -199,7 +199,7 @@ def test_corrupt_ring_drops_only_that_client(sidecar, instance):
 
     ring = evil._submit
     struct.pack_into("<I", ring.view, ring.data_off + (ring._tail & ring.mask), 1 << 30)
-    from native import atomics
+    from kvsidecar._native import atomics
 
     atomics.store_release_u64(ring.tail_addr, ring._tail + 8)
     evil._ctl.sidecar_doorbell.ring()
@@ -223,8 +223,8 @@ def test_attach_errors(sidecar, instance):
 
 def test_ops_before_attach_are_refused(sidecar, instance):
     """A slot claimed by hand (no attach) gets NOT_ATTACHED for anything but attach."""
-    from shm import protocol
-    from shm.control import process_start_ticks
+    from kvsidecar.shm import protocol
+    from kvsidecar.shm.control import process_start_ticks
 
     seg = Segment.attach(f"/{instance}.ctl")
     try:
@@ -261,7 +261,7 @@ def test_all_slots_taken_is_a_clear_busy(sidecar_factory, instance):
 def test_full_rings_are_back_pressure_not_loss(sidecar_factory, instance):
     """A client that floods a small ring without reading completions loses nothing."""
     sidecar_factory(**{"transport.ring_bytes": 4096, "transport.max_frame_bytes": 1024})
-    from shm import protocol
+    from kvsidecar.shm import protocol
 
     c = SidecarClient(instance, limits=protocol.Limits(max_frame_bytes=1024))
     c.attach()

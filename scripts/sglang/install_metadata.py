@@ -69,10 +69,10 @@ def check() -> bool:
     if len(eps) != 1:
         print(f"kvsidecar entry point: found {len(eps)} in group sglang.srt.plugins", file=sys.stderr)
         return False
-    import connector
+    from kvsidecar import connector
 
     where = Path(connector.__file__).resolve().parents[1]
-    ok = where == ROOT and eps[0].value == "connector.sglang_plugin:load"
+    ok = where == ROOT and eps[0].value == "kvsidecar.connector.sglang_plugin:load"
     print(f"kvsidecar entry point {eps[0].value} from {eps[0].dist.name} {eps[0].dist.version}; "
           f"connector imported from {where}{'' if ok else ' (not this checkout)'}")
     return ok

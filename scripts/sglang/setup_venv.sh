@@ -29,7 +29,7 @@ pip install -q torch==2.14.1 torchvision==0.29.1
 pip install -q --no-deps sglang==0.5.23
 pip install -q -r scripts/sglang/requirements.txt -c scripts/sglang/constraints.txt
 pip install -q msgpack posix-ipc cython pytest pytest-timeout mooncake-transfer-engine-non-cuda prometheus-client==0.26.0
-# kvsidecar's metadata (entry points: SGLang's sglang.srt.plugins loads connector.sglang_plugin in
+# kvsidecar's metadata (entry points: SGLang's sglang.srt.plugins loads kvsidecar.connector.sglang_plugin in
 # every scheduler process) plus a .pth naming this checkout; checked in a fresh interpreter
 $V/bin/python scripts/sglang/install_metadata.py
 # SGLang JIT-compiles its page-hash extension on first use (~12 s); build it now, into .cache/

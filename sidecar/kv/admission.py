@@ -30,11 +30,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from shm.errors import ErrorCode
+from kvsidecar.shm.errors import ErrorCode
 
-from shm.chain import count as id_count, key as chain_key, length as chain_len, span as chain_span
-from sidecar.kv.index import PrefixIndex, unpack_ids
-from sidecar.kv.leases import Lease, LeaseTable
+from kvsidecar.shm.chain import count as id_count, key as chain_key, length as chain_len, span as chain_span
+from kvsidecar.sidecar.kv.index import PrefixIndex, unpack_ids
+from kvsidecar.sidecar.kv.leases import Lease, LeaseTable
 
 
 @dataclasses.dataclass(frozen=True)

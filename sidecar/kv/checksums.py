@@ -1,6 +1,6 @@
 """The checksum table: one XXH3-64 per (pool block, shard), recorded with the block (DESIGN §7).
 
-Each checksum is seeded with the block's chain key and the shard (``native.checksum``): it
+Each checksum is seeded with the block's chain key and the shard (``kvsidecar._native.checksum``): it
 verifies the bytes *as that key's block*, so a block handed out under another chain's key (a
 stale id, a reused block) fails verification exactly like flipped bits.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 
-from native import checksum as _native
+from kvsidecar._native import checksum as _native
 
 SUM_BYTES = 8
 

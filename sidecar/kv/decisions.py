@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sidecar.deadlines import DeadlineHeap
+from kvsidecar.sidecar.deadlines import DeadlineHeap
 
 
 @dataclasses.dataclass

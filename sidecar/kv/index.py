@@ -1,4 +1,4 @@
-"""The pool's block accounting and prefix index (state lives in ``native.blockindex``).
+"""The pool's block accounting and prefix index (state lives in ``kvsidecar._native.blockindex``).
 
 Block ids travel as **packed uint32 blobs** (``bytes``), the same form the wire uses,
 so a 512-block get never builds a Python list.  Every block is in exactly one state::
@@ -16,10 +16,10 @@ sees it is already being written; they are invisible to lookups.
 from __future__ import annotations
 
 
-from shm.chain import KEY_BYTES, pack_ids, unpack_ids  # noqa: F401 (re-exported)
-from native.blockindex import FREE, RESIDENT, STAGING, BlockIndex, IndexError_
+from kvsidecar.shm.chain import KEY_BYTES, pack_ids, unpack_ids  # noqa: F401 (re-exported)
+from kvsidecar._native.blockindex import FREE, RESIDENT, STAGING, BlockIndex, IndexError_
 
-KEY = KEY_BYTES  # (the chain layout lives in shm.chain)
+KEY = KEY_BYTES  # (the chain layout lives in kvsidecar.shm.chain)
 STATE_NAMES = {FREE: "free", STAGING: "staging", RESIDENT: "resident"}
 PoolError = IndexError_
 

@@ -21,11 +21,11 @@ import collections
 import dataclasses
 import itertools
 
-from shm.chain import count as id_count
-from shm.errors import ErrorCode
+from kvsidecar.shm.chain import count as id_count
+from kvsidecar.shm.errors import ErrorCode
 
-from sidecar.deadlines import DeadlineHeap
-from sidecar.kv.index import PrefixIndex, unpack_ids
+from kvsidecar.sidecar.deadlines import DeadlineHeap
+from kvsidecar.sidecar.kv.index import PrefixIndex, unpack_ids
 
 LEASE_ID_BASE = 1 << 40  # ids are namespaced by kind: leases here, staging ids elsewhere
 

@@ -11,18 +11,18 @@ import collections
 import logging
 import time
 
-from native.hashing import murmur3_128
-from shm.chain import count as id_count, length as chain_len
-from shm.errors import ErrorCode
-from shm.layout import KVLayout
+from kvsidecar._native.hashing import murmur3_128
+from kvsidecar.shm.chain import count as id_count, length as chain_len
+from kvsidecar.shm.errors import ErrorCode
+from kvsidecar.shm.layout import KVLayout
 
-from sidecar.kv.checksums import ChecksumTable
-from sidecar.kv.decisions import DecisionBook
-from sidecar.kv.index import PrefixIndex
-from sidecar.kv.leases import LeaseError, LeaseTable
-from sidecar.service import Host, OpError, Service
-from sidecar.kv.admission import PoolManager, Refusal
-from sidecar.kv.staging import StagingTable
+from kvsidecar.sidecar.kv.checksums import ChecksumTable
+from kvsidecar.sidecar.kv.decisions import DecisionBook
+from kvsidecar.sidecar.kv.index import PrefixIndex
+from kvsidecar.sidecar.kv.leases import LeaseError, LeaseTable
+from kvsidecar.sidecar.service import Host, OpError, Service
+from kvsidecar.sidecar.kv.admission import PoolManager, Refusal
+from kvsidecar.sidecar.kv.staging import StagingTable
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class KVCore(Service):
         # Ranks of a group that left (died or detached) and have not attached again: a
         # group lease made now is not held on their behalf (nobody would release it).
         self.departed: dict[str, set] = {}
-        # collaborators wired once by the composition root (sidecar.app): what follows a
+        # collaborators wired once by the composition root (kvsidecar.sidecar.app): what follows a
         # published engine store (L3 write-behind) and a GET (the prefetch result hand-off)
         self._after_publish = None
         self._after_get = None

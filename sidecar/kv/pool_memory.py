@@ -34,7 +34,7 @@ reserves and zeroes its 2 MiB pages, whatever the mode except ``none``):
 
 The sidecar's own mapping (``pool.sidecar_populate``, default "auto" = when an L3
 backend is configured): L3 reads land in the pool through this process's mapping,
-so after ready one background thread (``shm.mapping_populator``, the connector's
+so after ready one background thread (``kvsidecar.shm.mapping_populator``, the connector's
 mechanism) gives every page of it a page-table entry — or, on a CUDA host
 (``pool.cuda_register``), ``cudaHostRegister``s it — so restores never fault.  It
 never delays ready (it starts after the ready marker), never runs on the control
@@ -52,10 +52,10 @@ import logging
 import os
 import time
 
-from shm import populate as P
-from shm.errors import SegmentError
-from shm.mapping_populator import PoolPopulator, cuda_device_without_torch
-from shm.segment import Segment, unlink_segment
+from kvsidecar.shm import populate as P
+from kvsidecar.shm.errors import SegmentError
+from kvsidecar.shm.mapping_populator import PoolPopulator, cuda_device_without_torch
+from kvsidecar.shm.segment import Segment, unlink_segment
 
 log = logging.getLogger(__name__)
 

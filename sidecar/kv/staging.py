@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from sidecar.kv.admission import PoolManager, StagePlan
-from sidecar.deadlines import DeadlineHeap
+from kvsidecar.sidecar.kv.admission import PoolManager, StagePlan
+from kvsidecar.sidecar.deadlines import DeadlineHeap
 
 STAGING_ID_BASE = 2 << 40
 
@@ -23,7 +23,7 @@ STAGING_ID_BASE = 2 << 40
 class Staging:
     id: int
     group: str
-    plan: StagePlan  # the staged blocks and the prefix lease (sidecar.kv.admission)
+    plan: StagePlan  # the staged blocks and the prefix lease (kvsidecar.sidecar.kv.admission)
     writers: set  # ranks that still have to commit
     deadline: float
     ns: str = ""

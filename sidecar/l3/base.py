@@ -1,14 +1,14 @@
 """The L3 backend boundary (mechanism only; policy lives on the control thread).
 
 In the spirit of vLLM's ``kv_offload``: the control thread decides *what* to look up,
-load or store (``sidecar.l3.tier``); a backend only moves bytes between the pool and
+load or store (``kvsidecar.sidecar.l3.tier``); a backend only moves bytes between the pool and
 the remote tier and reports **per-block** results.  Backends are called from worker
 threads, never from the control thread, and must return in bounded time.
 
 Keys are strings built by the tier (namespace + layout fingerprint + block hash);
 addresses point into the pool mapping; every block of a call has the same ``size``.
 An object is the block's ``size`` bytes followed, when ``tails`` are given, by ``tail_size``
-bytes from / to its own address (the block's checksum row, ``sidecar.kv.checksums``): one
+bytes from / to its own address (the block's checksum row, ``kvsidecar.sidecar.kv.checksums``): one
 object, one transfer, written and read together.  An object whose stored size is not
 ``size + tail_size`` is a failed read, never a partial one.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 
-from shm.errors import KvSidecarError
+from kvsidecar.shm.errors import KvSidecarError
 
 
 class L3Error(KvSidecarError):

@@ -20,9 +20,9 @@ import os
 import struct
 import threading
 
-from native.hashing import murmur3_128
+from kvsidecar._native.hashing import murmur3_128
 
-from sidecar.l3.base import L3Backend
+from kvsidecar.sidecar.l3.base import L3Backend
 
 log = logging.getLogger(__name__)
 

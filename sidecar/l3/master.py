@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 
-from sidecar.l3.base import L3Error
+from kvsidecar.sidecar.l3.base import L3Error
 
 
 def free_port() -> int:

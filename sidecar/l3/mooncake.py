@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 
-from sidecar.l3.base import L3Backend, L3Error, batched
+from kvsidecar.sidecar.l3.base import L3Backend, L3Error, batched
 
 log = logging.getLogger(__name__)
 

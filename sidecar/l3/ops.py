@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 
-from shm.chain import count as id_count, length as chain_len, span as chain_span
-from sidecar.kv.ops import KVCore
-from sidecar.kv.admission import Refusal
-from sidecar.l3.tier import L3Tier
-from sidecar.service import DEFERRED, Service
+from kvsidecar.shm.chain import count as id_count, length as chain_len, span as chain_span
+from kvsidecar.sidecar.kv.ops import KVCore
+from kvsidecar.sidecar.kv.admission import Refusal
+from kvsidecar.sidecar.l3.tier import L3Tier
+from kvsidecar.sidecar.service import DEFERRED, Service
 
 
 class L3Ops(Service):

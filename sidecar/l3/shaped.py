@@ -16,7 +16,7 @@ import random
 import threading
 import time
 
-from sidecar.l3.base import L3Backend
+from kvsidecar.sidecar.l3.base import L3Backend
 
 
 class ShapedBackend(L3Backend):

@@ -20,12 +20,12 @@ import dataclasses
 import logging
 import time
 
-from shm.chain import KEY_BYTES, count as id_count, keys as chain_keys
-from sidecar.kv.checksums import ChecksumTable
-from sidecar.kv.index import pack_ids, unpack_ids
-from sidecar.l3.base import L3Backend
-from sidecar.l3.cost_model import ReadCostModel, ReadEstimate
-from sidecar.l3.workers import Job, Lane
+from kvsidecar.shm.chain import KEY_BYTES, count as id_count, keys as chain_keys
+from kvsidecar.sidecar.kv.checksums import ChecksumTable
+from kvsidecar.sidecar.kv.index import pack_ids, unpack_ids
+from kvsidecar.sidecar.l3.base import L3Backend
+from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
+from kvsidecar.sidecar.l3.workers import Job, Lane
 
 log = logging.getLogger(__name__)
 

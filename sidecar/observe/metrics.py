@@ -31,10 +31,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shm.errors import KvSidecarError
+from kvsidecar.shm.errors import KvSidecarError
 
-from sidecar.observe.outcome import SessionObserver, SessionOutcome
-from sidecar.service import Host, Service
+from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
+from kvsidecar.sidecar.service import Host, Service
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ STATUSES = ("complete", "timeout", "demanded", "aborted", "failed", "cost", "no_
 SESSION_STATES = ("created", "querying", "running", "draining", "terminal")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PER_BLOCK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
-# lease drop reasons (sidecar.kv.leases) -> the cause an operator asks about
+# lease drop reasons (kvsidecar.sidecar.kv.leases) -> the cause an operator asks about
 LEASE_CAUSES = {"released": "released", "handed_off": "handed_off", "expired": "ttl", "client_gone": "client_gone",
                 "group_gone": "client_gone", "aborted": "aborted"}
 

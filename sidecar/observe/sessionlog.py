@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from sidecar.observe.outcome import SessionObserver, SessionOutcome
+from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 
 log = logging.getLogger("kvsidecar.sessions")
 

@@ -1,7 +1,7 @@
 """The inspector's tables: live sessions, leases, pool by state, clients (control thread).
 
 Mounted as a service whose :meth:`status` the control loop publishes, with the stats, into the
-control segment's seqlocked blob (``shm.control``) — never per request, at most every
+control segment's seqlocked blob (``kvsidecar.shm.control``) — never per request, at most every
 ``transport.stats_interval_ms`` after work.  The read-only inspector renders what is published
 and never sends a request.  Tables are bounded (``MAX_ROWS`` each, oldest first, with the
 total count beside them) so the blob always fits its region.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from sidecar.service import Host, Service
+from kvsidecar.sidecar.service import Host, Service
 
 MAX_ROWS = 48
 MAX_TEXT = 64  # characters of a request id / group name shown (the blob's size stays bounded)

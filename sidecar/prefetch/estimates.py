@@ -6,10 +6,10 @@ Pure functions of (record, tier, config) on the control thread; no state of thei
 
 from __future__ import annotations
 
-from sidecar.l3.tier import read_priority
-from sidecar.prefetch.cost import Outlook
-from sidecar.prefetch.machine import Policy
-from sidecar.prefetch.records import Record
+from kvsidecar.sidecar.l3.tier import read_priority
+from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.machine import Policy
+from kvsidecar.sidecar.prefetch.records import Record
 
 
 def outlook(rec: Record, now: float, tier, cfg) -> Outlook | None:

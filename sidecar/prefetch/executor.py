@@ -24,20 +24,20 @@ import itertools
 import logging
 import time
 
-from shm.errors import ErrorCode
+from kvsidecar.shm.errors import ErrorCode
 
-from shm.chain import key as chain_key, length as chain_len, span as chain_span
-from sidecar.kv.ops import KVCore
-from sidecar.kv.index import pack_ids
-from sidecar.l3.tier import L3Tier, read_priority
-from sidecar.observe.outcome import SessionObserver, SessionOutcome
-from sidecar.observe.sessionlog import SessionLog
-from sidecar.service import DEFERRED, OpError, Service
-from sidecar.prefetch.cost import Outlook
-from sidecar.prefetch.estimates import drain_budget, outlook
-from sidecar.prefetch.records import ChunkIO, Orphan, Record
-from sidecar.prefetch.waits import SessionWaits, satisfied
-from sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
+from kvsidecar.shm.chain import key as chain_key, length as chain_len, span as chain_span
+from kvsidecar.sidecar.kv.ops import KVCore
+from kvsidecar.sidecar.kv.index import pack_ids
+from kvsidecar.sidecar.l3.tier import L3Tier, read_priority
+from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
+from kvsidecar.sidecar.observe.sessionlog import SessionLog
+from kvsidecar.sidecar.service import DEFERRED, OpError, Service
+from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.estimates import drain_budget, outlook
+from kvsidecar.sidecar.prefetch.records import ChunkIO, Orphan, Record
+from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
+from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, Claim, ClaimGranted, Demand, Drop, Finish,
                       Params, Policy, Publish, Query, QueryDone, Replan, Session, Start, State, Tick)
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class SessionManager(Service):
     def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic,
                  observer: SessionObserver | None = None):
         self.clock = clock  # injected: the executor bench drives a fake clock
-        # told of every terminal session (default: the structured log line, sidecar.observe)
+        # told of every terminal session (default: the structured log line, kvsidecar.sidecar.observe)
         self.observer = observer if observer is not None else SessionLog()
         self.core = core
         self.tier = tier
@@ -170,7 +170,7 @@ class SessionManager(Service):
     def op_wait(self, conn, msg):
         """Deferred: the view once the session's L3 query is done (or ``until`` blocks are
         published; or, with ``terminal``, only at its end), once it is terminal, or at
-        ``wait_s`` (see ``sidecar.prefetch.waits``)."""
+        ``wait_s`` (see ``kvsidecar.sidecar.prefetch.waits``)."""
         rec = self.records.get(self._key(conn, msg))
         if rec is None:
             return {"state": "unknown"}
@@ -595,6 +595,6 @@ class SessionManager(Service):
 
 
 def _unpack(blob: bytes) -> list:
-    from sidecar.kv.index import unpack_ids
+    from kvsidecar.sidecar.kv.index import unpack_ids
 
     return list(unpack_ids(blob))

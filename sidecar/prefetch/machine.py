@@ -3,7 +3,7 @@
 No I/O, no clock of its own (every event carries ``now``), no knowledge of pools or
 L3 — in the spirit of h11: typed events in (:meth:`Session.handle`), typed actions out;
 an event the state does not allow raises :class:`IllegalEvent`.  The control thread
-(``sidecar.prefetch.executor``) feeds events and carries out the actions.  Positions are block indices in the request's chain.
+(``kvsidecar.sidecar.prefetch.executor``) feeds events and carries out the actions.  Positions are block indices in the request's chain.
 
 ::
 
@@ -22,7 +22,7 @@ Guarantees (checked by the property tests):
   later events are ignored;
 * with ``chunk_max_blocks`` ≥ the span (and always for ``wait_complete``) the whole
   span is one claim;
-* ``cost_aware`` claims a chunk only while :func:`sidecar.prefetch.cost.next_claim` says it
+* ``cost_aware`` claims a chunk only while :func:`kvsidecar.sidecar.prefetch.cost.next_claim` says it
   lowers the request's expected TTFT, from the latest :class:`Outlook` an event brought
   (``Demand`` is a re-plan with the ETA at *now*, not a seal); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
@@ -34,8 +34,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from sidecar.prefetch import cost
-from sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch import cost
+from kvsidecar.sidecar.prefetch.cost import Outlook
 
 
 class Policy(str, enum.Enum):

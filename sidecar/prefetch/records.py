@@ -1,6 +1,6 @@
 """What the executor keeps per session, per claimed chunk and per read it stopped waiting for.
 
-Plain records, owned by the control thread (``sidecar.prefetch.executor``).  A ``Record``'s
+Plain records, owned by the control thread (``kvsidecar.sidecar.prefetch.executor``).  A ``Record``'s
 ``pins`` are the blocks the session holds a reference on (its resident prefix and what it
 published); a ``ChunkIO``'s ``own_blocks`` are STAGING blocks only its read may fill — they are
 published or freed only after that read ended (an ``Orphan`` keeps them when the session no
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sidecar.prefetch.machine import Session
+from kvsidecar.sidecar.prefetch.machine import Session
 
 
 @dataclasses.dataclass

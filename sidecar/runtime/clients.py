@@ -15,8 +15,8 @@ import dataclasses
 import logging
 import time
 
-from shm import protocol
-from shm.control import ControlSegment
+from kvsidecar.shm import protocol
+from kvsidecar.shm.control import ControlSegment
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ process dies or the watch set changes (an eventfd).
 A pidfd fires only after the dead process's address space is torn down, which for
 a rank that mapped a large pool with 4 KiB pages takes ~50-90 ms per GiB.  With
 ``set_death_words(address_of)`` the monitor also waits on each client's death word
-(``shm.deathword``: a robust mutex the client holds in its slot), which the kernel
+(``kvsidecar.shm.deathword``: a robust mutex the client holds in its slot), which the kernel
 releases *before* that teardown, so a killed rank is reclaimed within milliseconds
 whatever the pool size.  Whichever fires first reports; ``on_dead`` runs once per watch.
 """
@@ -25,8 +25,8 @@ import os
 import select
 import threading
 
-from shm.control import process_start_ticks
-from shm.deathword import DeathWordWatch
+from kvsidecar.shm.control import process_start_ticks
+from kvsidecar.shm.deathword import DeathWordWatch
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import logging
 import os
 import time
 
-from shm import protocol
-from shm.control import (
+from kvsidecar.shm import protocol
+from kvsidecar.shm.control import (
     SLOT_ACTIVE,
     SLOT_CLAIMED,
     SLOT_FREE,
@@ -29,13 +29,13 @@ from shm.control import (
     STATE_STOPPING,
     ControlSegment,
 )
-from shm.errors import ErrorCode, ProtocolError
-from shm.ring import Oversize, RingCorrupted
+from kvsidecar.shm.errors import ErrorCode, ProtocolError
+from kvsidecar.shm.ring import Oversize, RingCorrupted
 
-from sidecar.runtime.clients import ClientConn, ClientInfo
-from sidecar.config import SidecarConfig
-from sidecar.runtime.liveness import LivenessMonitor
-from sidecar.service import DEFERRED, OpError, Service
+from kvsidecar.sidecar.runtime.clients import ClientConn, ClientInfo
+from kvsidecar.sidecar.config import SidecarConfig
+from kvsidecar.sidecar.runtime.liveness import LivenessMonitor
+from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 
 log = logging.getLogger(__name__)
 

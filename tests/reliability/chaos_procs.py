@@ -11,9 +11,9 @@ import time
 def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: int, seed: int, conn) -> None:
     import torch
 
-    from connector.kv_client import KVConnector
-    from shm.errors import CorruptBlock, KvSidecarError
-    from shm.layout import KVLayout
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.errors import CorruptBlock, KvSidecarError
+    from kvsidecar.shm.layout import KVLayout
 
     from ..procs import chain_kv
 

@@ -6,9 +6,9 @@ import contextlib
 import os
 import time
 
-from shm import protocol
-from shm.control import ControlSegment, process_start_ticks
-from shm.segment import Segment
+from kvsidecar.shm import protocol
+from kvsidecar.shm.control import ControlSegment, process_start_ticks
+from kvsidecar.shm.segment import Segment
 
 
 class RawSlot:

@@ -74,9 +74,9 @@ def worker(instance: str, wid: int, seed: int, stop, conn) -> None:
     """One client process; runs until ``stop`` is set; sends its summary through ``conn``."""
     import torch
 
-    from connector.kv_client import KVConnector
-    from shm.errors import KvSidecarError, RemoteError
-    from shm.layout import KVLayout
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.errors import KvSidecarError, RemoteError
+    from kvsidecar.shm.layout import KVLayout
 
     lay = KVLayout(**LAYOUT)
     shape = (MAX_CHAIN, lay.tokens_per_block, lay.heads_per_shard, lay.head_dim)
@@ -301,8 +301,8 @@ def main(argv=None) -> int:
     import tempfile
     import uuid
 
-    from connector.client import SidecarClient
-    from sidecar.spawn import SidecarProcess
+    from kvsidecar.connector.client import SidecarClient
+    from kvsidecar.sidecar.spawn import SidecarProcess
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--evictions", type=int, default=1_000_000)

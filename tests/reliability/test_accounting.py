@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
 
 from .. import procs
 from ..helpers import file_l3_overrides, fill_l3, small_kv, wait_terminal, wait_until

@@ -12,13 +12,13 @@ import struct
 
 import pytest
 
-from connector.client import SidecarClient
-from connector.kv_client import KVConnector
-from native import atomics
-from shm.control import SLOT_FREE
-from shm.errors import ErrorCode, RemoteError
-from shm.layout import KVLayout
-from shm.ring import WRAP_MARKER
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar._native import atomics
+from kvsidecar.shm.control import SLOT_FREE
+from kvsidecar.shm.errors import ErrorCode, RemoteError
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.shm.ring import WRAP_MARKER
 
 from .rawslot import raw_slot
 

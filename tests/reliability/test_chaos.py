@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from connector.client import SidecarClient
-from connector.kv_client import KVConnector
-from shm.layout import KVLayout
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 from .chaos_procs import chaos_rank
 
@@ -341,7 +341,7 @@ def _session_then_fault(c, kv, toks, fault) -> tuple[bool, int, dict]:
 @pytest.mark.mooncake
 @pytest.mark.parametrize("trial", TRIALS)
 def test_mooncake_master_killed_mid_restore(instance, mooncake_master, trial):
-    from sidecar.l3.master import MooncakeMaster
+    from kvsidecar.sidecar.l3.master import MooncakeMaster
 
     sp = SidecarProcess(instance, overrides=mc_overrides(mooncake_master, **{"l3.latency_ms": 150.0}))
     try:

@@ -13,8 +13,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native.blockindex import BlockIndex
-from native.hashing import first_duplicate
+from kvsidecar._native.blockindex import BlockIndex
+from kvsidecar._native.hashing import first_duplicate
 
 
 def _key(rng: random.Random) -> bytes:
@@ -123,7 +123,7 @@ def test_first_duplicate():
 def test_deadline_heap_stays_bounded_under_churn():
     """Records that come and go within their TTL leave no stale heap entries behind (it grew by
     one entry per lease for a whole TTL before), and a due live record is still always reaped."""
-    from sidecar.deadlines import DeadlineHeap
+    from kvsidecar.sidecar.deadlines import DeadlineHeap
 
     live: dict[int, float] = {}
     heap = DeadlineHeap(live, lambda due: due)

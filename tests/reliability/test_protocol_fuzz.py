@@ -1,6 +1,6 @@
 """Protocol fuzz against a live sidecar: hostile frames from several clients at once.
 
-Hypothesis builds frames from ``shm.protocol.OP_SCHEMAS`` (every op, its required and
+Hypothesis builds frames from ``kvsidecar.shm.protocol.OP_SCHEMAS`` (every op, its required and
 optional fields): valid frames with awkward values, frames with one field mutated
 (wrong type, negative, > 2**63, NaN/inf, giant strings, bad chains, junk lists, nested
 maps, bytes keys), wrong ``v``, missing or invalid ``id``, unknown ops, non-map
@@ -41,12 +41,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from connector.client import SidecarClient
-from connector.kv_client import KVConnector
-from shm import protocol as P
-from shm.control import process_start_ticks
-from shm.errors import ErrorCode, RemoteError
-from shm.layout import KVLayout
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm import protocol as P
+from kvsidecar.shm.control import process_start_ticks
+from kvsidecar.shm.errors import ErrorCode, RemoteError
+from kvsidecar.shm.layout import KVLayout
 
 from ..helpers import wait_l3_idle, wait_terminal
 from .rawslot import raw_slot
@@ -207,7 +207,7 @@ OP_CHOICE = FUZZ_OPS + ["prefetch", "get", "store", "commit", "release", "poll",
 
 
 def acceptable(kind: int, v) -> bool:
-    """The schema's rule for a field value, written independently of shm.protocol."""
+    """The schema's rule for a field value, written independently of kvsidecar.shm.protocol."""
     t = type(v)
     if kind == P.INT:
         return t is int and 0 <= v <= MAX_ID
@@ -322,7 +322,7 @@ def _no_ext(code, data):
 
 
 def readable_id(frame: bytes):
-    """The id the sidecar can answer to, or None (the spec, independently of shm.protocol)."""
+    """The id the sidecar can answer to, or None (the spec, independently of kvsidecar.shm.protocol)."""
     if len(frame) > MAX_FRAME:
         return None
     try:

@@ -16,10 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.kv_client import KVConnector
-from shm.errors import RemoteError
-from shm.layout import KVLayout
-from sidecar.spawn import SidecarProcess
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.errors import RemoteError
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.spawn import SidecarProcess
 
 from ..conftest import SHM_PREFIX
 from ..helpers import wait_until

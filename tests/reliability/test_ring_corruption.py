@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from native import atomics as a
-from shm.ring import WRAP_MARKER, RingConsumer, RingCorrupted, RingProducer, ring_region_bytes
-from shm.segment import Segment
+from kvsidecar._native import atomics as a
+from kvsidecar.shm.ring import WRAP_MARKER, RingConsumer, RingCorrupted, RingProducer, ring_region_bytes
+from kvsidecar.shm.segment import Segment
 
 from ..conftest import SHM_PREFIX
 

@@ -19,12 +19,12 @@ import statistics
 import struct
 import time
 
-from connector.client import SidecarClient
-from native import atomics as a
-from shm import protocol
-from shm.control import SLOT_FREE, ControlSegment, process_start_ticks
-from shm.ring import WRAP_MARKER
-from shm.segment import Segment
+from kvsidecar.connector.client import SidecarClient
+from kvsidecar._native import atomics as a
+from kvsidecar.shm import protocol
+from kvsidecar.shm.control import SLOT_FREE, ControlSegment, process_start_ticks
+from kvsidecar.shm.ring import WRAP_MARKER
+from kvsidecar.shm.segment import Segment
 
 from . import soak
 

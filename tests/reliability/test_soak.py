@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.client import SidecarClient
+from kvsidecar.connector.client import SidecarClient
 
 from . import soak
 

@@ -55,7 +55,7 @@ def build(rank: int, instance: str, extra: dict):
     ctrl = HybridCacheController(
         alloc, group, PAGE, dist.group.WORLD, load_cache_event=threading.Event(), write_policy="write_through",
         io_backend="direct", storage_backend="dynamic", model_name="tiny-llama", transfer_layer_id_max=len(mapping),
-        storage_backend_extra_config={"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
+        storage_backend_extra_config={"backend_name": "kvsidecar", "module_path": "kvsidecar.connector.hicache_backend",
                                       "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
                                       "instance": instance, "verify_loads": "all", **extra})
     return host, ctrl
@@ -114,8 +114,8 @@ def _rank_main(rank: int, instance: str, port: int, arms: list) -> list:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
     from sglang.srt.plugins import load_plugins
 
-    from connector import sglang_plugin
-    from connector.sglang_config import SessionConfig
+    from kvsidecar.connector import sglang_plugin
+    from kvsidecar.connector.sglang_config import SessionConfig
 
     load_plugins()  # SGLang's own loader: finds kvsidecar's entry point in the installed metadata
     assert all(sglang_plugin.hooks_applied().values()), sglang_plugin.hooks_applied()

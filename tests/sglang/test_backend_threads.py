@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-from connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
+from kvsidecar.connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

@@ -22,11 +22,11 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sidecar import inspector  # noqa: E402
-from sidecar.l3.master import free_port  # noqa: E402
-from sidecar.spawn import SidecarProcess  # noqa: E402
-from connector.kv_client import KVConnector  # noqa: E402
-from shm.layout import KVLayout  # noqa: E402
+from kvsidecar.sidecar import inspector  # noqa: E402
+from kvsidecar.sidecar.l3.master import free_port  # noqa: E402
+from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
+from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
+from kvsidecar.shm.layout import KVLayout  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -88,7 +88,7 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
                TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "torch_extensions"),
                SGLANG_CACHE_DIR=str(ROOT / ".cache" / "sglang"), TMPDIR=str(tmp_path),
                SGLANG_PLUGINS="kvsidecar" if plugin else "none-of-them")
-    extra = {"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
+    extra = {"backend_name": "kvsidecar", "module_path": "kvsidecar.connector.hicache_backend",
              "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "config_file": str(plugin_cfg)}
     args = [str(ROOT / ".sglang-venv" / "bin" / "python"), "-m", "sglang.launch_server",
             "--model-path", str(HERE / "tiny_llama"), "--device", "cpu", "--load-format", "dummy",

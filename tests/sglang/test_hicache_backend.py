@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 
-from connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
+from kvsidecar.connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

@@ -31,8 +31,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-from connector.hicache_backend import layout_for_host_pool  # noqa: E402
-from sidecar.l3.master import free_port  # noqa: E402
+from kvsidecar.connector.hicache_backend import layout_for_host_pool  # noqa: E402
+from kvsidecar.sidecar.l3.master import free_port  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -73,7 +73,7 @@ def build(layout: str, instance: str, tp_group):
     ctrl = HybridCacheController(
         alloc, group, PAGE, tp_group, load_cache_event=threading.Event(), write_policy="write_through",
         io_backend="direct", storage_backend="dynamic", model_name="tiny-llama", transfer_layer_id_max=len(mapping),
-        storage_backend_extra_config={"backend_name": "kvsidecar", "module_path": "connector.hicache_backend",
+        storage_backend_extra_config={"backend_name": "kvsidecar", "module_path": "kvsidecar.connector.hicache_backend",
                                       "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
                                       "instance": instance, "verify_loads": "all"})
     return host, ctrl

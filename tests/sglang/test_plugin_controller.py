@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from connector.hicache_backend import layout_for_host_pool  # noqa: E402
-from sidecar.l3.master import free_port  # noqa: E402
+from kvsidecar.connector.hicache_backend import layout_for_host_pool  # noqa: E402
+from kvsidecar.sidecar.l3.master import free_port  # noqa: E402
 
 from . import plugin_workers as W  # noqa: E402
 
