@@ -7,6 +7,13 @@ sidecar process is still the one it attached to (a pidfd, so PID reuse cannot
 fool it, plus the header's generation and state), and raises
 :class:`SidecarUnavailable` within ~``liveness_slice_s`` of the sidecar's death.
 
+Waiting for a completion spins briefly (``spin_s``) before it sleeps on the client's
+doorbell, but only while the sidecar is awake: when our request had to wake a sleeping
+sidecar (the doorbell post was a futex wake), the reply is a wake-up away, and a waiter
+spinning meanwhile only competes with the sidecar for a CPU (measured on a 2-vCPU VM:
++60 µs after 2 ms idle, +100 µs after 50 ms, against sleeping at once, which matches a
+Unix socket pair).  Back-to-back requests find the sidecar spinning and keep the spin.
+
 A client is used by one thread at a time (an engine rank's scheduler thread);
 it is not thread-safe.  It must not be shared across ``fork``.
 """
@@ -61,6 +68,7 @@ class SidecarClient:
         self.generation: int | None = None
         self.attach_info: dict = {}
         self._broken: str | None = None
+        self._woke_sidecar = False  # our last post woke a sleeping sidecar: wait without spinning
 
     # -- lifecycle ---------------------------------------------------------------------------
     def attach(self) -> dict:
@@ -209,7 +217,7 @@ class SidecarClient:
         except RingCorrupted as exc:
             self._broken = f"submit ring unusable: {exc}"
             raise SidecarUnavailable(self._broken) from None
-        self._ctl.sidecar_doorbell.ring()
+        self._woke_sidecar = self._ctl.sidecar_doorbell.ring()
 
     def wait(self, rid: int, timeout_s: float | None = None) -> dict:
         """Wait for the completion of request ``rid``."""
@@ -222,7 +230,7 @@ class SidecarClient:
             reply = self._pending.pop(rid, None)
             if reply is not None:
                 return reply
-            self._wait_slice(self._completions.has_data, deadline)
+            self._wait_slice(self._completions.has_data, deadline, spin=not self._woke_sidecar)
 
     def poll_completions(self) -> list[dict]:
         """Non-blocking: every completion that arrived (and any read ahead)."""
@@ -252,8 +260,8 @@ class SidecarClient:
                 continue
             self._pending[reply["id"]] = reply
 
-    def _wait_slice(self, ready, deadline: float, busy: bool = False) -> None:
-        """One bounded wait on our doorbell.
+    def _wait_slice(self, ready, deadline: float, busy: bool = False, spin: bool = True) -> None:
+        """One bounded wait on our doorbell (spinning first only with ``spin``).
 
         The sidecar's liveness is checked only when a slice ends without progress,
         so the fast path costs no system call; a dead sidecar is noticed within
@@ -261,7 +269,7 @@ class SidecarClient:
         """
         now = time.monotonic()
         if now < deadline and self._doorbell.wait(
-                ready, min(self.liveness_slice_s, deadline - now), self.spin_s):
+                ready, min(self.liveness_slice_s, deadline - now), self.spin_s if spin else 0.0):
             return
         self._check_alive()
         if time.monotonic() >= deadline:

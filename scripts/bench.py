@@ -4,7 +4,7 @@ every figure is the median of the trials with its spread ``[min..max]``.
 
     python -m scripts.bench ring    [--quick] [--trials N] [--json PATH]
     python -m scripts.bench load|l3|stop [--quick] [--trials N]
-    python -m scripts.bench startup [--quick]   # pool ready time, first vs second pass, exits
+    python -m scripts.bench startup [--quick] [--trials N]   # pool ready time, first vs second pass, exits
     python -m scripts.bench metrics [--quick]   # Prometheus on vs off: ring RTT, get+release of 512
     python -m scripts.bench integrity [--quick] # block checksums on vs off: store, L3 restore, load
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -47,8 +48,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     module = importlib.import_module(f"scripts.{SUITES[args.suite]}")
-    if args.suite in REPEATS_ITSELF:
-        result = module.run(quick=args.quick)
+    if args.suite in REPEATS_ITSELF:  # their repetitions are their trials (--trials, where they take it)
+        kw = {"trials": args.trials} if args.trials and "trials" in inspect.signature(module.run).parameters else {}
+        result = module.run(quick=args.quick, **kw)
         t = result.get("trials", 1)
         n = len(t) if isinstance(t, list) else t
     else:

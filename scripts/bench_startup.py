@@ -5,9 +5,11 @@ Arms, interleaved within each repetition (same machine, same run):
 
 * ``old``: ``pool.populate = "touch"`` (the original single-threaded Python pre-fault loop) and
   a connector that does not populate its mapping (the behaviour before issue 15);
-* ``new``: the defaults — ``pool.populate = "write"``, the connector's background populate;
+* ``new``: the defaults — ``pool.populate = "fallocate"`` (every page reserved, zeroed by its
+  first toucher), the connector's background populate;
+* ``write``: ``pool.populate = "write"`` (the default before issue 23: zeros written through the
+  file before ready);
 * ``map``: ``pool.populate = "map"`` (fallocate + parallel MADV_POPULATE_READ in the sidecar);
-* ``fallocate``: reserve only (pages zeroed by the first toucher);
 * ``huge``: ``new`` on 2 MiB pages (``pool.hugepages = "on"``), only where the machine has
   enough free huge pages (``vm.nr_hugepages``);
 * ``tiny``: a 64 MiB pool, the launcher's fixed cost (interpreter, imports).
@@ -158,7 +160,7 @@ ARMS = {
     "old": ({"pool.populate": "touch", "pool.hugepages": "off"}, "off"),
     "new": ({}, "background"),
     "map": ({"pool.populate": "map", "pool.hugepages": "off"}, "background"),
-    "fallocate": ({"pool.populate": "fallocate", "pool.hugepages": "off"}, "background"),
+    "write": ({"pool.populate": "write", "pool.hugepages": "off"}, "background"),
     "huge": ({"pool.hugepages": "on"}, "background"),
 }
 
@@ -245,12 +247,13 @@ def _room(size: int) -> bool:
     return size + GiB <= min(avail, st.f_bavail * st.f_frsize)
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, trials: int | None = None) -> dict:
+    """``trials``: repetitions (each runs every arm once, rotated; default 2 quick, 3 full)."""
     from kvsidecar.shm.populate import hugepages_available
 
     sizes = [GiB // 2, GiB] if quick else [4 * GiB, 16 * GiB]
-    reps = 2 if quick else 3
-    arms = ["old", "new"] if quick else ["old", "new", "map", "fallocate"]
+    reps = trials or (2 if quick else 3)
+    arms = ["old", "new", "write"] if quick else ["old", "new", "write", "map"]
     # e.g. KVSBENCH_SIZES_GIB=4 KVSBENCH_ARMS=new,huge for a run with huge pages reserved
     if os.environ.get("KVSBENCH_SIZES_GIB"):
         sizes = [int(float(x) * GiB) for x in os.environ["KVSBENCH_SIZES_GIB"].split(",")]
@@ -329,10 +332,29 @@ def _summarise(trials, floors, sizes, skipped, huge_ok, quick) -> dict:
     res["summary"] = out
     res["floors_s_per_gib"] = {f"{k}@{s / GiB:g}GiB": _med([v / (s / GiB) for v in vals])
                                for (k, s), vals in floors.items()}
+    # the issue-23 figures: the default mode's pool time against a bare fallocate of the same
+    # size (same run), and a rank's first pass after its background populate against its second
+    for size in sizes:
+        key = f"new@{size // GiB if size >= GiB else size / GiB:g}GiB"
+        floor = res["floors_s_per_gib"].get(f"fallocate@{size / GiB:g}GiB")
+        new = out.get(key)
+        if new is None or floor is None or new["pool_s_per_gib"] is None:
+            continue
+        per = [t.get("pool_s", float("nan")) / (size / GiB) for t in summary[key]]
+        res.setdefault("ready_vs_fallocate_by_size", {})[key] = _ratio_of(per, floor["median"])
+        res["ready_vs_fallocate"] = res["ready_vs_fallocate_by_size"][key]  # the largest size, last
+        if "wait" in new["variants"]:
+            res["first_pass_vs_second"] = new["variants"]["wait"]["pass_ratio"]
     largest = [t for t in trials if t["arm"] == "new" and t["size"] == max(sizes)]
     if largest:
         res["startup_log_largest_new"] = largest[-1].get("log", [])
     return res
+
+
+def _ratio_of(values, floor: float) -> dict:
+    m = _med([v / floor for v in values])
+    m["spread"] = (m["max"] - m["min"]) / m["median"] if m["median"] else 0.0
+    return m
 
 
 def _fmt(m, unit="", digits=3):
@@ -371,6 +393,11 @@ def table(r: dict):
                      f"at ready (RssShmem {_fmt(v['rss_shmem_mib'], ' MiB', 0)})"))
     for key, v in r["floors_s_per_gib"].items():
         rows.append((f"floor {key}", _fmt(v, " s/GiB"), "bare syscalls from this process, same run"))
+    for key, v in r.get("ready_vs_fallocate_by_size", {}).items():
+        rows.append((f"ready_vs_fallocate {key}", _fmt(v), "the default mode's pool time / a bare fallocate; target <= 1.2"))
+    if r.get("first_pass_vs_second") is not None:
+        rows.append(("first_pass_vs_second", _fmt(r["first_pass_vs_second"]),
+                     "a rank's pass2/pass1 time after its background populate (largest size); target >= 0.9"))
     for s, ok in r["hugepages_available"].items():
         if not ok:
             rows.append((f"huge@{s / GiB:g}GiB", "n/a", "not enough free 2 MiB pages (vm.nr_hugepages)"))

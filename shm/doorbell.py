@@ -14,6 +14,17 @@ Protocol (no lost wake-ups, no idle polling):
   ``seq`` is unchanged; then publishes ``sleeping = 1``, **full fence**, re-checks
   ``ready()``, and only then ``futex_wait(seq, observed)`` with a deadline.
 
+Adaptive spin (the waiter's side, per doorbell object): a spin pays only when the
+peer runs on another CPU at the same time and answers within the spin.  When it
+does not — the peer was asleep and needs a wake-up, or both share one busy CPU and
+the spin only delays the peer — spinning costs the peer its CPU (measured: 76 µs
+back-to-back on a loaded 2-vCPU VM, against 10 µs blocking).  So a spin counts as
+*paid* when ``ready()`` turned true before the waiter first yielded; after
+``SPIN_MISSES`` unpaid spins in a row the next ``SPIN_SKIP`` waits sleep at once,
+then one spin probes again.  Back-to-back traffic on free CPUs keeps spinning;
+idle or CPU-starved traffic sleeps like a socket.  Spinning never changes what a
+wait returns, only how soon.
+
 Why no wake-up is lost: a post that happens after the waiter read ``seq`` changes
 ``seq``, so the spin ends or ``futex_wait`` returns at once (the kernel compares
 the word atomically).  A post whose data landed before that read is seen by the
@@ -34,16 +45,33 @@ DOORBELL_BYTES = 8
 _INT_MAX = 2**31 - 1
 _YIELD_AFTER_S = 30e-6  # spin this long before yielding the CPU between chunks
 _SPIN_CHUNK = 64  # relax-hinted loads between clock checks (~1-5 µs)
+SPIN_MISSES = 2  # unpaid spins in a row before spinning is skipped
+SPIN_SKIP = 16  # waits that then sleep at once before the next probe spin
 
 
 class Doorbell:
-    __slots__ = ("seq_addr", "sleeping_addr", "spin_s", "wakeups_posted")
+    __slots__ = ("seq_addr", "sleeping_addr", "spin_s", "wakeups_posted", "_misses", "_skip",
+                 "spins_paid", "spins_unpaid", "spins_skipped")
 
     def __init__(self, base_address: int, offset: int, spin_s: float = 50e-6):
         self.seq_addr = base_address + offset
         self.sleeping_addr = base_address + offset + 4
         self.spin_s = spin_s
         self.wakeups_posted = 0
+        self._misses = 0
+        self._skip = 0
+        self.spins_paid = self.spins_unpaid = self.spins_skipped = 0
+
+    def _spin_result(self, paid: bool) -> None:
+        if paid:
+            self.spins_paid += 1
+            self._misses = 0
+            return
+        self.spins_unpaid += 1
+        self._misses += 1
+        if self._misses >= SPIN_MISSES:
+            self._misses = 0
+            self._skip = SPIN_SKIP
 
     def ring(self) -> bool:
         """Signal the waiter.  Returns True when a futex wake-up was posted."""
@@ -65,13 +93,19 @@ class Doorbell:
         if ready():
             return True
         spin = min(self.spin_s if spin_s is None else spin_s, timeout_s)
+        if spin > 0 and self._skip > 0:
+            self._skip -= 1
+            self.spins_skipped += 1
+            spin = 0.0
         start = time.perf_counter()
         if spin > 0:
             end = start + spin
+            yielded = False
             while True:
                 cur = _a.spin_until_u32_ne(self.seq_addr, observed, _SPIN_CHUNK)
                 if cur != observed:
                     if ready():
+                        self._spin_result(not yielded)
                         return True
                     observed = cur
                 now = time.perf_counter()
@@ -81,7 +115,9 @@ class Doorbell:
                     continue
                 # A peer we just woke may have been queued on this CPU (wake-affine
                 # placement); yielding lets it run instead of waiting out our spin.
+                yielded = True
                 os.sched_yield()
+            self._spin_result(False)
         remaining = timeout_s - (time.perf_counter() - start)
         if remaining <= 0:
             return ready()

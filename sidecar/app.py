@@ -37,7 +37,7 @@ from kvsidecar.sidecar.observe.metrics import MetricsError, MetricsService
 from kvsidecar.sidecar.observe.outcome import Observers
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.observe.status import StatusTables
-from kvsidecar.sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment
+from kvsidecar.sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment, sidecar_populator
 from kvsidecar.sidecar.runtime.loop import Sidecar
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class SidecarHost:
         self.master = None
         self.tier = None
         self.metrics = None
+        self.populator = None  # the sidecar's own mapping, populated after ready (with an L3)
         self._closed = False
         self.exit_code = 0
         prev = _previous_generation(cfg.control_name)
@@ -116,9 +117,12 @@ class SidecarHost:
                     backend.register_pool(self.core.sums.address, self.core.sums.size)
                 prior = ReadCostModel(cfg.l3.cost_prior_latency_ms / 1e3,
                                       layout.block_bytes / (cfg.l3.cost_prior_mb_per_s * 1e6))
+                # L3 reads land through this process's mapping: populated after ready (_announce)
+                self.populator = sidecar_populator(cfg, self.pool_segment, l3_on=True)
                 self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
-                                   cost_model=prior, sums=self.core.sums)
+                                   cost_model=prior, sums=self.core.sums, read_lanes=cfg.l3.read_lanes,
+                                   landing=self.populator)
                 l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
             if cfg.metrics.enabled:  # off by default (kvsidecar.sidecar.observe.metrics)
                 self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,
@@ -169,12 +173,16 @@ class SidecarHost:
                 os.write(ready_fd, line.encode())
             finally:
                 os.close(ready_fd)
+        if self.populator is not None:  # after ready, on its own thread: restores never fault
+            self.populator.start()
 
     def close(self) -> None:
         """Check the books, release every client, unlink the segments (exactly once)."""
         if self._closed:
             return
         self._closed = True
+        if self.populator is not None:
+            self.populator.stop()  # within one chunk: never populate an address about to be unmapped
         if self.metrics is not None:
             self.metrics.stop()
         if self.sidecar is not None:

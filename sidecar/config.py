@@ -32,11 +32,20 @@ class PoolConfig:
     """The CPU pool (see ``kvsidecar.sidecar.kv.pool_memory``)."""
 
     num_blocks: int = 1024
-    # how the pages are allocated at start: "write" (zeros through the file; the sidecar maps
-    # none), "map" (fallocate + parallel MADV_POPULATE_READ of the sidecar's mapping),
-    # "fallocate" (reserve only), "touch" (the old Python loop), "none"
-    populate: str = "write"
+    # how the pages are allocated at start (kvsidecar.sidecar.kv.pool_memory says what each guarantees):
+    # "fallocate" (the default: every page reserved, ENOSPC now, never a SIGBUS later; zeroed
+    # by its first toucher), "write" (zeros through the file), "map" (fallocate + parallel
+    # MADV_POPULATE_READ of the sidecar's mapping before ready), "touch" (the old Python loop),
+    # "none" (no reservation: a full /dev/shm is a SIGBUS at first touch; logged as a warning)
+    populate: str = "fallocate"
     populate_threads: int = 0  # "map" workers; 0 = min(cpus, 8)
+    # The sidecar's own mapping, populated in the background after ready so that L3 reads
+    # landing in the pool never take page faults: "auto" (when an L3 backend is configured),
+    # "background", "off".  On a CUDA host ``cuda_register`` ("auto": when a CUDA runtime
+    # loads and reports a device) registers the mapping with cudaHostRegister instead (pins
+    # and populates it; costs a CUDA context on device 0), as the connector does at attach.
+    sidecar_populate: str = "auto"
+    cuda_register: str = "auto"
     prefault: bool = True  # false = populate "none"
     # 2 MiB pages: "auto" (when the kernel has enough free; logs when it falls back), "on", "off"
     hugepages: str = "auto"
@@ -75,6 +84,9 @@ class L3Config:
     mooncake_global_segment_bytes: int = 256 << 20
     mooncake_local_buffer_bytes: int = 64 << 20
     setup_timeout_s: float = 5.0
+    # threads running L3 reads (restores, session chunks) from one priority queue; see
+    # kvsidecar.sidecar.l3.workers for why one is the default (scripts.bench l3 measures 1 against 8)
+    read_lanes: int = 1
     # Write-behind backlog bound: blocks pinned for L3 PUTs not yet done (0 = a quarter of the
     # pool).  A store that would exceed it (while PUTs are pending) is published in the pool but
     # not written to L3 (counted), so a slow L3 never grows memory or pins without bound.
@@ -167,6 +179,12 @@ class SidecarConfig:
             raise ConfigError("pool.hugepages must be auto, on or off")
         if self.pool.populate_threads < 0:
             raise ConfigError("pool.populate_threads must be >= 0")
+        if self.pool.sidecar_populate not in ("auto", "background", "off"):
+            raise ConfigError("pool.sidecar_populate must be auto, background or off")
+        if self.pool.cuda_register not in ("auto", "on", "off"):
+            raise ConfigError("pool.cuda_register must be auto, on or off")
+        if not 1 <= self.l3.read_lanes <= 64:
+            raise ConfigError("l3.read_lanes must be in 1..64")
         for name in ("reserved_bytes_limit", "pinned_bytes_limit"):
             if getattr(self.limits, name) < 0:
                 raise ConfigError(f"limits.{name} must be >= 0")

@@ -230,6 +230,8 @@ def test_store_replay_of_an_aborted_staging_writes_nothing(sidecar_factory, inst
     st = r0.store(chain_a, req="store-A", step=0)
     r0.save(st, kv_of(1.0), list(range(st.count)))
     r1.detach()  # a writer gone: the staging is aborted
+    # (once the sidecar has seen the detach acknowledged: after detach() returns, not before)
+    wait_until(lambda: counters(r0)["pool"]["staging"] == 0, 10, "the aborted staging to be freed")
     store_group(h, 2, 5.0, "store-B")  # reuses the freed blocks
     r1.attach()
     again = r1.store(chain_a, req="store-A", step=0)

@@ -15,6 +15,7 @@ never published and the session's prefix ends before it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -77,14 +78,19 @@ class ReadResult:
 
 class L3Tier:
     def __init__(self, backend: L3Backend, post, *, fingerprint: bytes, pool_address: int, block_bytes: int,
-                 cost_model: ReadCostModel | None = None, sums: ChecksumTable | None = None):
+                 cost_model: ReadCostModel | None = None, sums: ChecksumTable | None = None, read_lanes: int = 1,
+                 landing=None):
+        """``landing``: the sidecar's background populate of its pool mapping (or None); every
+        read runs inside its ``copying()``, so the populate pauses while a read lands rather than
+        fault the same mapping beside it, and ``stats()`` reports it (``pool_populate``)."""
         self.backend = backend
         self.sums = sums
         self.prefix = f"kvs2/{fingerprint.hex()}"
         self.pool_address = pool_address
         self.block_bytes = block_bytes
+        self.landing = landing
         self.meta = Lane("l3-meta", post)
-        self.reader = Lane("l3-read", post)
+        self.reader = Lane("l3-read", post, threads=read_lanes, around=self._landing_pause)
         self.writer = Lane("l3-write", post)
         self.counters = collections.Counter()
         # running estimate of one block's read time (EWMA over successful reads; None until one)
@@ -92,6 +98,10 @@ class L3Tier:
         # latency + per-block cost of a read (cost_aware's L3 input); the default prior is a
         # conservative 5 ms + 10 MB/s until reads say otherwise (l3.cost_prior_* in the config)
         self.cost = cost_model or ReadCostModel(0.005, block_bytes / 10e6)
+
+    def _landing_pause(self):
+        landing = self.landing
+        return landing.copying() if landing is not None else contextlib.nullcontext()
 
     def start(self) -> None:
         for lane in (self.meta, self.reader, self.writer):
@@ -197,5 +207,6 @@ class L3Tier:
         cost = {"latency_ms": round(est.latency_s * 1e3, 3), "s_per_block_us": round(est.s_per_block * 1e6, 3),
                 "mb_per_s": round(self.block_bytes / est.s_per_block / 1e6, 3), "samples": est.samples,
                 "error": round(self.cost.error, 4)}
+        landing = self.landing.stats() if self.landing is not None else {"method": "off", "done": True}
         return {**dict(self.counters), "cost": cost, "meta": self.meta.stats(), "read": self.reader.stats(),
-                "write": self.writer.stats(), "backend": self.backend.stats()}
+                "write": self.writer.stats(), "backend": self.backend.stats(), "pool_populate": landing}

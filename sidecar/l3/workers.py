@@ -1,6 +1,6 @@
 """Worker threads that run L3 calls off the control thread.
 
-Each :class:`Lane` is one thread draining an ordered job queue; a job runs a backend
+Each :class:`Lane` is one thread (or ``threads`` threads) draining one ordered job queue; a job runs a backend
 call and hands its result back to the control thread with ``post`` (a deque plus the
 sidecar doorbell), so the control thread never blocks on L3.  The sidecar runs three
 lanes: **metadata** (existence queries), **read** (restores into the pool) and
@@ -9,6 +9,12 @@ lanes: **metadata** (existence queries), **read** (restores into the pool) and
 A job that has not started can be **cancelled** (atomically with the lane picking it
 up): its work never runs, so the pool blocks it would have filled were never touched
 and can be freed at once.  A started job always runs to completion.
+
+Several threads on one lane (``l3.read_lanes``) start jobs in priority order and run them
+side by side; one is the default for reads: restores of 8 chains at once from one thread
+kept up with a raw client reading the same objects from 8 threads on TCP loopback
+(``scripts.bench l3``, concurrent row), and one thread keeps the "older request first"
+order strict (two chunks running side by side delay both).
 
 A lane sleeps in ``queue.get`` (woken by the next job or the stop sentinel); nothing
 polls.  ``stop`` lets the job in progress finish (a backend call is bounded), then
@@ -48,22 +54,32 @@ class Job:
 
 
 class Lane:
-    def __init__(self, name: str, post):
+    def __init__(self, name: str, post, threads: int = 1, around=None):
+        """``around``: a context-manager factory entered around every job's work (the sidecar's
+        background populate of the pool pauses while a read lands)."""
         self.name = name
         self._post = post
+        self._around = around
         self._q: queue.PriorityQueue = queue.PriorityQueue()  # (priority, seq, job): FIFO within a priority
         self._seq = itertools.count()
-        self._thread = threading.Thread(target=self._run, name=f"kvsidecar-{name}", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name=f"kvsidecar-{name}" + (f"-{i}" if threads > 1 else ""),
+                                          daemon=True) for i in range(max(1, threads))]
+        self._stats_lock = threading.Lock()
+        self.running = 0  # jobs running now (lane threads)
         self.queued = 0
-        self.busy = False
         self.jobs_done = 0
         self.cancelled = 0
         self.busy_s = 0.0
         # work not finished yet (queued or running), by priority: (jobs, weight) — control thread
         self.pending: dict[int, list] = {}
 
+    @property
+    def busy(self) -> bool:
+        return self.running > 0
+
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def submit(self, work, done, priority: int = 1, weight: int = 0) -> Job:
         """Run ``work()`` on this lane, then ``done(result, error)`` on the control thread.
@@ -97,25 +113,36 @@ class Lane:
                     self._post(self._forget_cancelled, item)
                 continue
             work, done = item.work, item.done
-            self.busy = True
+            with self._stats_lock:
+                self.running += 1
             t0 = time.monotonic()
             try:
-                result, error = work(), None
+                if self._around is not None:
+                    with self._around():
+                        result, error = work(), None
+                else:
+                    result, error = work(), None
             except Exception as exc:  # a backend failure becomes a result, never a dead lane
                 log.exception("%s lane job failed", self.name)
                 result, error = None, exc
-            self.busy_s += time.monotonic() - t0
-            self.busy = False
-            self.jobs_done += 1
+            with self._stats_lock:
+                self.busy_s += time.monotonic() - t0
+                self.running -= 1
+                self.jobs_done += 1
             self._post(self._finish, item, result, error)
-        # cancel whatever is still queued
+        # cancel whatever is still queued; another thread's stop sentinel goes back for it
+        stops = 0
         while True:
             try:
                 item = self._q.get_nowait()[2]
             except queue.Empty:
                 break
-            if item is not _STOP and item.cancel():
+            if item is _STOP:
+                stops += 1
+            elif item.cancel():
                 self._post(self._finish, item, None, RuntimeError("lane stopped"))
+        for _ in range(stops):
+            self._q.put((1 << 30, next(self._seq), _STOP))
 
     def _unpend(self, job: Job) -> None:
         p = self.pending[job.priority]
@@ -169,9 +196,13 @@ class Lane:
         return jobs, weight
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._q.put((1 << 30, next(self._seq), _STOP))  # after everything already queued
-        self._thread.join(timeout_s)
+        for _ in self._threads:  # one sentinel per thread, after everything already queued
+            self._q.put((1 << 30, next(self._seq), _STOP))
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            if t.is_alive() or t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict:
-        return {"queued": self.queued, "busy": self.busy, "jobs": self.jobs_done, "cancelled": self.cancelled,
-                "busy_s": round(self.busy_s, 3)}
+        return {"queued": self.queued, "busy": self.busy, "running": self.running, "threads": len(self._threads),
+                "jobs": self.jobs_done, "cancelled": self.cancelled, "busy_s": round(self.busy_s, 3)}

@@ -78,6 +78,7 @@ class Sidecar:
         self._stop_requested = False
         self._stats_dirty = True
         self._last_stats = 0.0
+        self._woke_client = False  # this step's completions woke a sleeping client: no spin
         self.liveness = LivenessMonitor(self._on_client_dead)
 
     # -- cross-thread entry points -----------------------------------------------------------
@@ -138,7 +139,9 @@ class Sidecar:
                         timeout = due - now
                 if self._timers:
                     timeout = max(0.0, min(timeout, self._timers[0][0] - now))
-                self.doorbell.wait(self._has_work, timeout, spin_s)
+                spin = 0.0 if self._woke_client else spin_s
+                self._woke_client = False
+                self.doorbell.wait(self._has_work, timeout, spin)
         finally:
             self.ctl.set_state(STATE_STOPPING)
             self._running = False
@@ -303,7 +306,8 @@ class Sidecar:
                 break
         if conn.outbox:
             conn.flush_outbox()
-        conn.doorbell.ring()
+        if conn.doorbell.ring():
+            self._woke_client = True
         return True
 
     def _handle(self, conn: ClientConn, data: bytes) -> dict:
@@ -359,7 +363,8 @@ class Sidecar:
         except RingCorrupted as exc:
             self._ring_corrupted(conn, exc)
             return False
-        conn.doorbell.ring()
+        if conn.doorbell.ring():
+            self._woke_client = True
         return True
 
     def run_pending_events(self) -> int:
