@@ -198,6 +198,10 @@ class Sidecar:
                     log.exception("timer %r failed", fn)
                 worked = True
         for conn in list(self.clients.values()):
+            # an idle client costs one ring-index load here, not a full serve (the first
+            # command after idle pays this scan once per attached client)
+            if not (conn.outbox or conn.detaching) and not conn.submit.has_data():
+                continue
             if self._serve(conn):
                 worked = True
         return worked
