@@ -131,6 +131,7 @@ def run(quick: bool = False) -> dict:
     # a lease long enough for a loaded 2-core machine (the tests' 200 ms is for fast eviction)
     with MooncakeMaster(kv_lease_ttl_ms=5000) as master:
         holder_cfg = dict(base, **{"l3.mooncake_master": master.address, "pool.sidecar_populate": "off",
+                                   "l3.max_put_backlog_blocks": total_blocks,  # every block goes to L3
                                    "l3.mooncake_global_segment_bytes": total_blocks * (lay.block_bytes + row)
                                    + (64 << 20)})
         reader_cfg = dict(base, **{"l3.mooncake_master": master.address, "l3.mooncake_global_segment_bytes": 0})
