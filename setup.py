@@ -25,16 +25,19 @@ PACKAGES = [pkg for name, folder in PARTS.items()
             for pkg in [f"kvsidecar.{name}"] + [f"kvsidecar.{name}.{sub}" for sub in find_packages(folder)]]
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
+XXHASH = "native/third_party/xxhash"
 
 EXTENSIONS = [
     Extension(f"kvsidecar._native.{mod}", [f"native/{mod}.pyx"], extra_compile_args=["-O2"])
     for mod in ("atomics", "hashing", "copy", "blockindex")
 ] + [
-    # XXH3 from vendored xxHash 0.8.4 (BSD-2-Clause, native/LICENSE.xxhash) compiled into the
-    # extension: no run-time library to install; on x86-64 its dispatcher picks AVX2/AVX-512
-    Extension("kvsidecar._native.checksum", ["native/checksum.pyx"] + (["native/xxh_x86dispatch.c"] if _X86 else []),
-              include_dirs=["native"], define_macros=[("KVS_XXH_DISPATCH", None)] if _X86 else [],
-              depends=["native/kvs_xxh.h", "native/xxhash.h", "native/xxh_x86dispatch.h"],
+    # XXH3 from vendored xxHash 0.8.4 (BSD-2-Clause, native/third_party/xxhash/LICENSE.xxhash)
+    # compiled into the extension: no run-time library to install; on x86-64 its dispatcher
+    # picks AVX2/AVX-512
+    Extension("kvsidecar._native.checksum",
+              ["native/checksum.pyx"] + ([f"{XXHASH}/xxh_x86dispatch.c"] if _X86 else []),
+              include_dirs=["native", XXHASH], define_macros=[("KVS_XXH_DISPATCH", None)] if _X86 else [],
+              depends=["native/kvs_xxh.h", f"{XXHASH}/xxhash.h", f"{XXHASH}/xxh_x86dispatch.h"],
               extra_compile_args=["-O3"]),
 ]
 
@@ -42,5 +45,6 @@ setup(
     package_dir=PACKAGE_DIR,
     packages=PACKAGES,
     exclude_package_data={"": ["*.pyx", "*.c"]},
+    package_data={"kvsidecar._native": ["third_party/xxhash/LICENSE.xxhash"]},  # BSD-2: ships with the binary
     ext_modules=cythonize(EXTENSIONS, language_level=3, quiet=True),
 )

@@ -9,9 +9,9 @@ another shard, or another object under a key fails it — not only flipped bits.
 
 Why XXH3: the fastest well-kept non-cryptographic 64-bit hash (tens of GB/s per core), with
 output stable across versions and platforms (a checksum written to L3 today verifies
-tomorrow), in one BSD-licensed header plus its x86 dispatcher (``native/xxhash.h``,
-``xxh_x86dispatch.c``, xxHash 0.8.4, compiled in: SSE2/AVX2/AVX-512 chosen at run time) — no
-run-time dependency.  Integrity here means "the writer's bytes", not authenticity.
+tomorrow), in one BSD-licensed header plus its x86 dispatcher (``native/third_party/xxhash/``,
+xxHash 0.8.4, compiled in: SSE2/AVX2/AVX-512 chosen at run time) — no run-time dependency.
+Integrity here means "the writer's bytes", not authenticity.
 
 A checksum *table* holds ``stride`` little-endian u64 per pool block (one per shard); block ids
 travel as packed uint32 blobs and keys as 16-byte chain blobs (``kvsidecar.shm.chain``).  Addresses must
