@@ -176,7 +176,14 @@ class Engine:
                 return
             if time.monotonic() > deadline:
                 break
-            self.step(before_load)
+            so = self.step(before_load)
+            if not so.num_scheduled_tokens:
+                # nothing ran: a request waits on its prefetch session (the connector answers
+                # None); block on the sidecar until the session ends instead of spinning steps
+                side = self.sched_conn.scheduler
+                for st in list(side.reqs.values()):
+                    side.link.call(lambda st=st: side.conn.wait(st.sreq, attempt=st.attempt, terminal=True,
+                                                                timeout_s=1.0))
             w = self.worker_conn.worker
             if w.loads_in_flight:  # a background copy runs: let it, instead of spinning the loop
                 for ld in list(w._loads.values()):
