@@ -70,6 +70,16 @@ def books_clean(s: dict) -> None:
     assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0 and s["pool"]["staging"] == 0, s
 
 
+def release_check_detach(held, conns) -> None:
+    """Release every ``(connector, lease)`` in ``held``, assert the books are empty (read by the
+    first of ``conns``), then detach ``conns``."""
+    for c, lease in held:
+        c.release(lease)
+    books_clean(counters(conns[0]))
+    for c in conns:
+        c.detach()
+
+
 def test_rank_that_detached_gets_a_stale_miss_not_reused_blocks(sidecar_factory, instance):
     """The issue's five steps: a lease made while rank 1 was away has no share for it."""
     sidecar_factory(**overrides(N))
@@ -110,9 +120,7 @@ def test_rank_that_died_holding_an_unread_decision(sidecar_factory, instance):
     r1.attach()
     again = r1.get(chain_a, req="r", step=7)
     assert (again.count, again.stale) == (0, True), loaded_values(r1, again)
-    books_clean(counters(r0))
-    for c in (r0, r1, *h):
-        c.detach()
+    release_check_detach([], (r0, r1, *h))
 
 
 def test_rank_back_while_the_lease_lives_joins_it_and_loads_the_right_bytes(sidecar_factory, instance):
@@ -132,8 +140,7 @@ def test_rank_back_while_the_lease_lives_joins_it_and_loads_the_right_bytes(side
     assert loaded_values(r1, again) == {1.0}
     assert r0.stats()["pool"]["pinned"] == N
     assert r1.release(again) is True
-    books_clean(counters(r0))
-    r0.detach(), r1.detach()
+    release_check_detach([], (r0, r1))
 
 
 def test_rank_attaching_late_for_the_first_time(sidecar_factory, instance):
@@ -153,9 +160,7 @@ def test_rank_attaching_late_for_the_first_time(sidecar_factory, instance):
     again = r1.get(chain_a, req="r", step=3)
     assert again.count == N and loaded_values(r1, again) == {1.0}
     r1.release(again)
-    books_clean(counters(r0))
-    for c in (r0, r1, *h):
-        c.detach()
+    release_check_detach([], (r0, r1, *h))
 
 
 def test_decisions_may_not_outlive_their_leases(sidecar_factory, instance):
@@ -185,9 +190,7 @@ def test_lease_expiry_before_the_slow_rank_reads(sidecar_factory, instance):
     store_group(h, 2, 5.0, "store-B")
     again = r1.get(chain_a, req="r", step=1)
     assert again.count == 0, loaded_values(r1, again)
-    books_clean(counters(r0))
-    for c in (r0, r1, *h):
-        c.detach()
+    release_check_detach([], (r0, r1, *h))
 
 
 def test_a_new_incarnation_reusing_request_ids_is_answered_afresh(sidecar_factory, instance):
@@ -210,13 +213,7 @@ def test_a_new_incarnation_reusing_request_ids_is_answered_afresh(sidecar_factor
     got = [c.get(chain_c, req="r", step=1) for c in (n0, n1)]
     assert [g.count for g in got] == [N, N]
     assert [loaded_values(c, g) for c, g in zip((n0, n1), got)] == [{3.0}, {3.0}]
-    for c, g in zip((n0, n1), got):
-        c.release(g)
-    for c, lease in zip(h, hold_b):
-        c.release(lease)
-    books_clean(counters(n0))
-    for c in (n0, n1, *h):
-        c.detach()
+    release_check_detach([*zip((n0, n1), got), *zip(h, hold_b)], (n0, n1, *h))
 
 
 def test_store_replay_of_an_aborted_staging_writes_nothing(sidecar_factory, instance):
@@ -239,11 +236,7 @@ def test_store_replay_of_an_aborted_staging_writes_nothing(sidecar_factory, inst
     chain_b = h[0].hasher.chain(tokens(2))
     leases = [c.get(chain_b) for c in h]
     assert [loaded_values(c, lease) for c, lease in zip(h, leases)] == [{5.0}, {5.0}]
-    for c, lease in zip(h, leases):
-        c.release(lease)
-    books_clean(counters(r0))
-    for c in (r0, r1, *h):
-        c.detach()
+    release_check_detach(zip(h, leases), (r0, r1, *h))
 
 
 def test_a_rank_with_two_connections_keeps_its_shares_when_one_leaves(sidecar_factory, instance):
@@ -269,6 +262,4 @@ def test_a_rank_with_two_connections_keeps_its_shares_when_one_leaves(sidecar_fa
     assert r0.commit(st0)["published"] is False and r1b.commit(st1)["published"] is True
     lease_b = r1b.get(chain_b)
     assert loaded_values(r1b, lease_b) == {5.0}
-    r1b.release(lease_b)
-    books_clean(counters(r0))
-    r0.detach(), r1b.detach()
+    release_check_detach([(r1b, lease_b)], (r0, r1b))
