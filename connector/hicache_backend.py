@@ -59,7 +59,7 @@ import threading
 from kvsidecar._native.copy import copy_regions
 from kvsidecar._native.hashing import murmur3_128
 from kvsidecar.shm.chain import span as chain_span
-from kvsidecar.shm.errors import ErrorCode, KvSidecarError, RemoteError, SidecarUnavailable
+from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
@@ -179,34 +179,14 @@ class KvSidecarHiCacheStorage(_Base):
         with self.conns.checkout() as conn:
             yield conn
 
-    def _call(self, fn, default):
-        """``fn(this thread's connector)``, or ``default`` (a miss) when the sidecar is unavailable.
-
-        A connection to an incarnation that is gone (the sidecar was restarted) re-attaches at
-        once and runs ``fn`` again, once, from the start; a sidecar that is down answers miss
-        and is retried after ``reattach_every_s``."""
+    def _call(self, fn, default, *, retry: bool = True):
+        """``fn(a connection checked out for this thread)``, or ``default`` (a miss) when the sidecar
+        is unavailable: the pool's degrade-and-re-attach (``kvsidecar.connector.reconnect``)."""
         conns = self.conns
         if conns is None or self.mem_pool_host is None:
             self._count("degraded_calls")
             return default
-        for retry in (False, True):
-            with conns.checkout() as conn:
-                if conn is None:
-                    self._count("degraded_calls")
-                    return default
-                try:
-                    return fn(conn)
-                except SidecarUnavailable as exc:
-                    if not retry and not conn.client.attached:
-                        log.info("kvsidecar %s: %s; re-attaching", self.instance, exc)
-                        continue
-                    failure = exc
-                except KvSidecarError as exc:
-                    failure = exc
-                log.warning("kvsidecar call failed (%s); answering miss", failure)
-                self._count("degraded_calls")
-                conns.broken(conn)
-                return default
+        return conns.run(fn, default, retry=retry, on_miss=lambda: self._count("degraded_calls"))
 
     # -- request identity (bound by kvsidecar.connector.sglang_plugin around SGLang's storage calls) ------
     @contextlib.contextmanager
