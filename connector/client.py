@@ -100,7 +100,8 @@ class SidecarClient:
         if process_start_ticks(pid) != start or ctl.state != STATE_READY:
             os.close(pidfd)
             seg.close()
-            raise SidecarUnavailable("sidecar is not ready (stale segment or starting up)", UnavailableCause.NOT_RUNNING)
+            raise SidecarUnavailable("sidecar is not ready (stale segment or starting up)",
+                                     UnavailableCause.NOT_RUNNING)
         self._segment, self._ctl, self._pidfd = seg, ctl, pidfd
         self.generation = ctl.generation
         self._broken = None

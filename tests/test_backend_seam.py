@@ -31,7 +31,8 @@ class HostPool:
     """SGLang's MHA host pool, ``layer_first``: ``kv_buffer[2, layers, tokens, heads, dim]``."""
 
     def __init__(self, seed: int = 0):
-        self.dtype, self.layer_num, self.head_num, self.head_dim, self.page_size = torch.float16, LAYERS, HEADS, DIM, PAGE
+        self.dtype, self.layer_num, self.head_num = torch.float16, LAYERS, HEADS
+        self.head_dim, self.page_size = DIM, PAGE
         self.size = PAGES * PAGE
         g = torch.Generator().manual_seed(seed)
         self.kv_buffer = torch.randn(2, LAYERS, self.size, HEADS, DIM, generator=g).half()

@@ -189,7 +189,7 @@ def test_restart_noticed_by_a_live_call_is_retried_on_the_new_incarnation(sideca
     sc = sidecar_factory(**over)
     assert link.call(lambda: link.conn.release(lease), "miss", retry=False) == "miss"  # not sent to the new one
     assert link.policy.causes[Cause.RESTARTED] == 1 and not link.attached  # (it re-attaches at the next call)
-    assert link.call(lambda: link.conn.lookup(b"\x02" * 16), "miss") == 0  # attached at once, answered (a new, empty pool)
+    assert link.call(lambda: link.conn.lookup(b"\x02" * 16), "miss") == 0  # attached at once; a new, empty pool
     assert link.conn.client.generation == sc.generation and link.policy.attaches == 2
     sc.stop()
     sc = sidecar_factory(**over)
