@@ -37,12 +37,16 @@ trivially.
 * **Threads**: a call checks a sidecar connection out of the rank's bounded pool
   (:class:`kvsidecar.connector.thread_conns.ConnectionPool`, at most ``max_connections``) for its
   duration, so SGLang's threads -- restarted by every ``/flush_cache`` and controller reset --
-  never pile up client slots; the backend's own tables are guarded by one lock that is never
-  held across a sidecar call.
+  never pile up client slots; the request <-> session table is
+  :class:`kvsidecar.connector.session_registry.SessionRegistry`, whose lock (like the backend's
+  counters' lock) is never held across a sidecar call.  Host pages are copied by the
+  connection's ``KVCopier`` (block ids and piece sizes checked before a byte moves).
 * ``sessions.enabled = false``: no sessions -- ``batch_exists`` restores the whole chain from
   L3 itself (SGLang's prefetch thread waits for the data), the behaviour before the plugin.
 * When the sidecar is absent, dies or is slow, every call answers miss / False within its
-  deadline and SGLang keeps serving; each thread re-attaches on a later call.
+  deadline and SGLang keeps serving; when to re-attach is the connector's one policy
+  (``kvsidecar.connector.reconnect``, shared by the pool's threads): a restart is re-attached by
+  the call that notices it, an absent sidecar tried again every ``reattach_every_s``.
 
 Importable without SGLang (then it derives from a small stand-in base).
 """
@@ -165,14 +169,14 @@ class KvSidecarHiCacheStorage(_Base):
         with self.conns.checkout() as conn:
             yield conn
 
-    def _call(self, fn, default, *, retry: bool = True):
+    def _call(self, fn, default):
         """``fn(a connection checked out for this thread)``, or ``default`` (a miss) when the sidecar
         is unavailable: the pool's degrade-and-re-attach (``kvsidecar.connector.reconnect``)."""
         conns = self.conns
         if conns is None or self.mem_pool_host is None:
             self._count("degraded_calls")
             return default
-        return conns.run(fn, default, retry=retry, on_miss=lambda: self._count("degraded_calls"))
+        return conns.run(fn, default, on_miss=lambda: self._count("degraded_calls"))
 
     # -- request identity (bound by kvsidecar.connector.sglang_plugin around SGLang's storage calls) ------
     @contextlib.contextmanager
