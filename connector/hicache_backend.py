@@ -129,7 +129,8 @@ class KvSidecarHiCacheStorage(_Base):
         self._anon: dict[str, int] = {}
         self.counters = {"exists_calls": 0, "get_pages_ok": 0, "get_pages_missed": 0, "set_pages_ok": 0,
                          "set_pages_failed": 0, "degraded_calls": 0, "sessions_started": 0, "sessions_joined": 0,
-                         "demands": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0}
+                         "demands": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
+                         "copies_refused": 0}
 
     # -- set-up -------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -197,14 +198,21 @@ class KvSidecarHiCacheStorage(_Base):
         seed = self.seed
         return b"".join(murmur3_128(seed + k.encode()) for k in keys)
 
-    def _copy(self, conn, blocks, host_indices, n_pages: int, to_host: bool) -> None:
+    def _copy(self, conn, blocks, host_indices, n_pages: int, to_host: bool) -> bool:
         """This rank's shard of ``blocks[:n_pages]`` to / from the host pages, one memcpy per buffer
-        of each page (the connector's ``KVCopier``: block ids and sizes are checked first)."""
+        of each page, by the connection's ``KVCopier``, which checks block ids and piece sizes
+        first: False (logged, counted; nothing copied) when it refuses."""
         ptrs, _sizes = self.mem_pool_host.get_page_buffer_meta(host_indices[: n_pages * self.layout.tokens_per_block])
-        if to_host:
-            conn.copier.load_pieces(blocks[:n_pages], ptrs, self.entry_bytes)
-        else:
-            conn.copier.save_pieces(blocks[:n_pages], ptrs, self.entry_bytes)
+        try:
+            if to_host:
+                conn.copier.load_pieces(blocks[:n_pages], ptrs, self.entry_bytes)
+            else:
+                conn.copier.save_pieces(blocks[:n_pages], ptrs, self.entry_bytes)
+        except KVShapeError as exc:
+            log.error("kvsidecar backend: copy %s the host pool refused: %s", "into" if to_host else "out of", exc)
+            self._count("copies_refused")
+            return False
+        return True
 
     # -- sessions -------------------------------------------------------------------------------------
     def _identity(self, keys) -> tuple[str, int, bool]:
@@ -320,8 +328,8 @@ class KvSidecarHiCacheStorage(_Base):
                 lease = c.get(chain)
                 try:
                     got = c.verified(lease, 0, lease.count)  # a corrupt block cuts the hit there
-                    if got:
-                        self._copy(c, lease.blocks, host_indices, got, to_host=True)
+                    if got and not self._copy(c, lease.blocks, host_indices, got, to_host=True):
+                        got = 0
                 finally:
                     c.release(lease)
                 return got
@@ -337,8 +345,8 @@ class KvSidecarHiCacheStorage(_Base):
                 lease = c.get(chain_span(ref.chain, 0, end), req=ref.rid, attempt=ref.attempt or None, step=off)
                 try:
                     got = c.verified(lease, off, max(0, min(lease.count, end) - off))
-                    if got:
-                        self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True)
+                    if got and not self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True):
+                        got = 0
                 finally:
                     c.release(lease)
                 return got
@@ -367,7 +375,7 @@ class KvSidecarHiCacheStorage(_Base):
                 ok = True
                 try:
                     idx = host_indices[st.start * self.layout.tokens_per_block:]
-                    self._copy(c, st.blocks, idx, st.count, to_host=False)
+                    ok = self._copy(c, st.blocks, idx, st.count, to_host=False)
                 except Exception:
                     log.exception("copy into staging failed")
                     ok = False

@@ -34,6 +34,7 @@ class HostPool:
         self.dtype, self.layer_num, self.head_num = torch.float16, LAYERS, HEADS
         self.head_dim, self.page_size = DIM, PAGE
         self.size = PAGES * PAGE
+        self.null_pages = False  # a host pool bug: no address for the pages' first buffer
         g = torch.Generator().manual_seed(seed)
         self.kv_buffer = torch.randn(2, LAYERS, self.size, HEADS, DIM, generator=g).half()
 
@@ -46,6 +47,8 @@ class HostPool:
             for layer in range(LAYERS):
                 k = base + idx[i] * tok + layer * self.size * tok
                 ptrs += [k, k + v_off]
+        if self.null_pages:
+            ptrs[0] = 0
         return ptrs, [PAGE * tok] * len(ptrs)
 
     def page_bytes(self, pages) -> bytes:
@@ -192,6 +195,15 @@ def test_backend_pages_go_through_the_copier_bit_exact(sidecar_factory, instance
     assert bytes(b.batch_get(keys("gen", 1))[0].numpy()) == pool.page_bytes([5])
     assert b.batch_set(keys("short", 1), [torch.zeros(3, dtype=torch.uint8)]) is False  # refused, not stored
     assert b.batch_exists(keys("short", 1)) == 0
+    # the copier refuses a copy it cannot bound: a miss (not an exception in SGLang's thread), counted
+    before = pool.page_bytes(range(40, 40 + CHAIN))
+    pool.null_pages = True
+    assert b.batch_get_v1(ks, indices(range(40, 40 + CHAIN))) == [False] * CHAIN
+    assert b.batch_set_v1(keys("null"), indices(range(CHAIN))) == [False] * CHAIN
+    pool.null_pages = False
+    assert pool.page_bytes(range(40, 40 + CHAIN)) == before and b.get_stats()["copies_refused"] == 2
+    with b.connection() as c:
+        assert c.lookup(b._chain(keys("null"))) == 0  # the refused store published nothing
     with b.connection() as c:
         s = c.stats(check=True)
     assert s["invariants"] == "" and s["leases"]["live"] == 0 and s["pool"]["staging"] == 0
