@@ -1,8 +1,10 @@
 """The engine adapter: the scheduler hooks an SGLang-style engine calls, per TP rank.
 
 Every hook degrades to a **miss** when the sidecar is absent, dead or slow: the
-engine recomputes and never hangs (every call has a deadline; a broken connection
-is retried at most every ``reattach_every_s``).  All ranks of a TP group call the
+engine recomputes and never hangs (every call has a deadline; what a failure means and when
+the connection is tried again is the connector's one policy, ``kvsidecar.connector.reconnect``:
+a restarted sidecar is re-attached by the call that notices, an absent one tried again every
+``reattach_every_s``, a stuck one skipped for that long).  All ranks of a TP group call the
 same hooks with the same scheduler ``step``; the sidecar returns the group's first
 answer, so ranks never disagree and never wait for each other.
 
@@ -25,13 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 from kvsidecar.shm.chain import length as chain_len, span as chain_span
-from kvsidecar.shm.errors import KvSidecarError
 from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector, Lease
+from .reconnect import SidecarLink
 
 log = logging.getLogger(__name__)
 
@@ -71,57 +72,37 @@ class EngineAdapter:
         self.slots: dict[str, RestoreSlot] = {}
         self.prefetching: set[str] = set()
         self._chains: dict[str, bytes] = {}
-        self._down_since: float | None = None
-        self.misses_degraded = 0
+        self.link = SidecarLink(self.conn, self.cfg.reattach_every_s, on_reattach=self._new_generation)
         self._prefill_s_per_block = self.cfg.prefill_s_per_block  # EWMA of observed prefills
 
-    # -- connection management --------------------------------------------------------------------
+    # -- connection management (kvsidecar.connector.reconnect) -------------------------------------
     @property
     def available(self) -> bool:
         return self.conn.client.attached
 
+    @property
+    def misses_degraded(self) -> int:
+        """Hook calls answered as a miss because the sidecar could not answer."""
+        return self.link.misses
+
     def start(self) -> bool:
-        try:
-            self.conn.attach()
-            self._down_since = None
-            return True
-        except KvSidecarError as exc:
-            log.warning("kvsidecar unavailable (%s): every hook is a miss until it is back", exc)
-            self._down_since = time.monotonic()
-            return False
+        """Attach now; False (logged) when the sidecar is not there: every hook is a miss until it is."""
+        return self.link.start()
 
     def close(self) -> None:
         for req in list(self.slots):
             self.rollback_restore(req)
-        try:
-            self.conn.detach()
-        except KvSidecarError:
-            self.conn.close()
+        self.link.close()
 
-    def _ready(self) -> bool:
-        if self.conn.client.attached:
-            return True
-        if self._down_since is not None and time.monotonic() - self._down_since < self.cfg.reattach_every_s:
-            return False
-        self.conn.close()
-        ok = self.start()
-        if ok:  # a new sidecar generation: nothing we held survived it
-            self.slots.clear()
-            self.prefetching.clear()
-        return ok
+    def _new_generation(self) -> None:
+        """Re-attached to a new sidecar: nothing we held survived the old one."""
+        self.slots.clear()
+        self.prefetching.clear()
 
-    def _call(self, fn, default):
-        if not self._ready():
-            self.misses_degraded += 1
-            return default
-        try:
-            return fn()
-        except KvSidecarError as exc:
-            log.warning("kvsidecar call failed (%s); treating as a miss", exc)
-            if not self.conn.client.attached or "died" in str(exc) or "replaced" in str(exc):
-                self._down_since = time.monotonic()
-            self.misses_degraded += 1
-            return default
+    def _call(self, fn, default, *, retry: bool = True):
+        """``fn()`` or ``default`` (a miss).  ``retry=False`` for a call bound to an id the old
+        incarnation handed out (a lease or staging): never sent again to a new sidecar."""
+        return self.link.call(fn, default, retry=retry)
 
     def chain(self, req: str, token_ids) -> bytes:
         ch = self._chains.get(req)
@@ -191,14 +172,14 @@ class EngineAdapter:
         if lease is not None and lease.count:
             pages = alloc_pages(lease.count)
             if pages is None:
-                self._call(lambda: self.conn.release(lease), None)
+                self._call(lambda: self.conn.release(lease), None, retry=False)
             else:
                 try:
                     self.conn.load(lease, self.kv_caches, pages)
                     slot = RestoreSlot(req, lease, list(pages), lease.count * self.layout.tokens_per_block)
                 except Exception:
                     log.exception("load failed; recomputing")
-                    self._call(lambda: self.conn.release(lease), None)
+                    self._call(lambda: self.conn.release(lease), None, retry=False)
                     slot = RestoreSlot(req, None, list(pages), 0)
         self.slots[req] = slot
         return slot
@@ -208,7 +189,7 @@ class EngineAdapter:
         slot = self.slots.pop(req, None)
         self.prefetching.discard(req)
         if slot is not None and slot.lease is not None:
-            self._call(lambda: self.conn.release(slot.lease), None)
+            self._call(lambda: self.conn.release(slot.lease), None, retry=False)
 
     def rollback_restore(self, req: str) -> list:
         """Admission failed after loading: release the lease; returns the pages to free."""
@@ -216,7 +197,7 @@ class EngineAdapter:
         if slot is None:
             return []
         if slot.lease is not None:
-            self._call(lambda: self.conn.release(slot.lease), None)
+            self._call(lambda: self.conn.release(slot.lease), None, retry=False)
         return slot.pages
 
     def on_abort(self, req: str) -> list:
@@ -243,7 +224,7 @@ class EngineAdapter:
         except Exception:
             log.exception("save failed")
             ok = False
-        r = self._call(lambda: self.conn.commit(st, ok=ok), None)
+        r = self._call(lambda: self.conn.commit(st, ok=ok), None, retry=False)
         self._chains.pop(req, None)
         return st.count if r and ok else 0
 

@@ -36,6 +36,7 @@ from kvsidecar.shm.errors import (
     SegmentError,
     SidecarBusy,
     SidecarUnavailable,
+    UnavailableCause,
 )
 from kvsidecar.shm.ring import RingCorrupted
 from kvsidecar.shm.segment import Segment
@@ -68,6 +69,7 @@ class SidecarClient:
         self.generation: int | None = None
         self.attach_info: dict = {}
         self._broken: str | None = None
+        self._broken_cause = UnavailableCause.BROKEN
         self._woke_sidecar = False  # our last post woke a sleeping sidecar: wait without spinning
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -77,26 +79,29 @@ class SidecarClient:
         try:
             seg = Segment.attach(f"/{self.instance}.ctl")
         except SegmentError as exc:
-            raise SidecarUnavailable(f"no sidecar {self.instance!r}: {exc}") from None
+            raise SidecarUnavailable(f"no sidecar {self.instance!r}: {exc}", UnavailableCause.NOT_RUNNING) from None
         try:
             ctl = ControlSegment(seg)
         except SegmentError as exc:
             seg.close()
-            raise SidecarUnavailable(str(exc)) from None
+            raise SidecarUnavailable(str(exc), UnavailableCause.REFUSED) from None
         if ctl.protocol_version != protocol.PROTOCOL_VERSION:
             seg.close()
             raise SidecarUnavailable(
-                f"sidecar speaks protocol {ctl.protocol_version}, client {protocol.PROTOCOL_VERSION}")
+                f"sidecar speaks protocol {ctl.protocol_version}, client {protocol.PROTOCOL_VERSION}",
+                UnavailableCause.REFUSED)
         pid, start = ctl.sidecar_pid, ctl.sidecar_start_ticks
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:
             seg.close()
-            raise SidecarUnavailable(f"sidecar pid {pid} is not running (stale segment)") from None
+            raise SidecarUnavailable(f"sidecar pid {pid} is not running (stale segment)",
+                                     UnavailableCause.NOT_RUNNING) from None
         if process_start_ticks(pid) != start or ctl.state != STATE_READY:
             os.close(pidfd)
             seg.close()
-            raise SidecarUnavailable("sidecar is not ready (stale segment or starting up)")
+            raise SidecarUnavailable("sidecar is not ready (stale segment or starting up)",
+                                     UnavailableCause.NOT_RUNNING)
         self._segment, self._ctl, self._pidfd = seg, ctl, pidfd
         self.generation = ctl.generation
         self._broken = None
@@ -111,7 +116,7 @@ class SidecarClient:
             ctl.count_slot_exhaustion()  # the sidecar counts it and logs who holds the slots
             self.close()
             raise SidecarBusy(f"all {ctl.num_slots} client slots of {self.instance!r} are taken"
-                              f" ({describe_slot_holders(held, me)})")
+                              f" ({describe_slot_holders(held, me)})", UnavailableCause.SLOTS_EXHAUSTED)
         # held while attached: the kernel releases it when this process dies, before tearing
         # down its address space, so the sidecar reclaims us fast whatever we mapped (kvsidecar.shm.deathword)
         self._sentinel = DeathSentinel(ctl.slot_addr(self.slot) + DEATH_WORD_OFFSET)
@@ -215,8 +220,8 @@ class SidecarClient:
                     self._ctl.sidecar_doorbell.ring()
                     self._wait_slice(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline, busy=True)
         except RingCorrupted as exc:
-            self._broken = f"submit ring unusable: {exc}"
-            raise SidecarUnavailable(self._broken) from None
+            self.mark_broken(f"submit ring unusable: {exc}")
+            raise SidecarUnavailable(self._broken, self._broken_cause) from None
         self._woke_sidecar = self._ctl.sidecar_doorbell.ring()
 
     def wait(self, rid: int, timeout_s: float | None = None) -> dict:
@@ -246,8 +251,8 @@ class SidecarClient:
         try:
             frames = self._completions.pop_batch(256)
         except RingCorrupted as exc:
-            self._broken = f"completion ring unusable: {exc}"
-            raise SidecarUnavailable(self._broken) from None
+            self.mark_broken(f"completion ring unusable: {exc}")
+            raise SidecarUnavailable(self._broken, self._broken_cause) from None
         if not frames:
             return
         if self._completions.producer_waiting():
@@ -274,18 +279,25 @@ class SidecarClient:
         self._check_alive()
         if time.monotonic() >= deadline:
             if busy:
-                raise SidecarBusy("submit ring full until the deadline")
-            raise RequestTimeout("no completion before the deadline")
+                raise SidecarBusy("submit ring full until the deadline", UnavailableCause.TIMED_OUT)
+            raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
+
+    def mark_broken(self, reason: str, cause: UnavailableCause = UnavailableCause.BROKEN) -> None:
+        """This connection can no longer be used (calls raise ``SidecarUnavailable(cause)``; ``attached``
+        is False); its mapping stays until :meth:`close` or a new :meth:`attach`."""
+        if self._broken is None:
+            self._broken, self._broken_cause = reason, cause
 
     def _check_alive(self) -> None:
         if self._broken is not None:
-            raise SidecarUnavailable(self._broken)
+            raise SidecarUnavailable(self._broken, self._broken_cause)
         if self._ctl is None:
-            raise SidecarUnavailable("not attached")
+            raise SidecarUnavailable("not attached", UnavailableCause.BROKEN)
         if select.select([self._pidfd], [], [], 0)[0]:
-            self._broken = f"sidecar (generation {self.generation}) died"
+            self.mark_broken(f"sidecar (generation {self.generation}) died", UnavailableCause.RESTARTED)
         elif self._ctl.state != STATE_READY or self._ctl.generation != self.generation:
-            self._broken = f"sidecar (generation {self.generation}) is stopping or was replaced"
+            self.mark_broken(f"sidecar (generation {self.generation}) is stopping or was replaced",
+                             UnavailableCause.RESTARTED)
         if self._broken is not None:
-            raise SidecarUnavailable(self._broken)
+            raise SidecarUnavailable(self._broken, self._broken_cause)
 

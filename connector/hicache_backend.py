@@ -37,32 +37,35 @@ trivially.
 * **Threads**: a call checks a sidecar connection out of the rank's bounded pool
   (:class:`kvsidecar.connector.thread_conns.ConnectionPool`, at most ``max_connections``) for its
   duration, so SGLang's threads -- restarted by every ``/flush_cache`` and controller reset --
-  never pile up client slots; the backend's own tables are guarded by one lock that is never
-  held across a sidecar call.
+  never pile up client slots; the request <-> session table is
+  :class:`kvsidecar.connector.session_registry.SessionRegistry`, whose lock (like the backend's
+  counters' lock) is never held across a sidecar call.  Host pages are copied by the
+  connection's ``KVCopier`` (block ids and piece sizes checked before a byte moves).
 * ``sessions.enabled = false``: no sessions -- ``batch_exists`` restores the whole chain from
   L3 itself (SGLang's prefetch thread waits for the data), the behaviour before the plugin.
 * When the sidecar is absent, dies or is slow, every call answers miss / False within its
-  deadline and SGLang keeps serving; each thread re-attaches on a later call.
+  deadline and SGLang keeps serving; when to re-attach is the connector's one policy
+  (``kvsidecar.connector.reconnect``, shared by the pool's threads): a restart is re-attached by
+  the call that notices it, an absent sidecar tried again every ``reattach_every_s``.
 
 Importable without SGLang (then it derives from a small stand-in base).
 """
 
 from __future__ import annotations
 
-import array
-import collections
 import contextlib
 import dataclasses
 import logging
 import threading
 
-from kvsidecar._native.copy import copy_regions
 from kvsidecar._native.hashing import murmur3_128
 from kvsidecar.shm.chain import span as chain_span
-from kvsidecar.shm.errors import ErrorCode, KvSidecarError, RemoteError, SidecarUnavailable
+from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
+from .kv_copy import KVShapeError
+from .session_registry import SessionRef, SessionRegistry  # noqa: F401  (SessionRef: part of this API)
 from .sglang_config import PluginConfig, load_plugin_config
 from .thread_conns import ConnectionPool
 
@@ -96,18 +99,6 @@ def layout_for_host_pool(pool, model_name: str | None, is_mla: bool, tp_size: in
                     head_dim=pool.head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=tp_size)
 
 
-@dataclasses.dataclass
-class SessionRef:
-    """What this rank knows about one request's prefetch session."""
-
-    rid: str
-    attempt: int
-    chain: bytes  # the full kvsidecar chain of the queried span
-    positions: dict  # SGLang page key -> position in ``chain``
-    demanded: bool = False  # the scheduler saw the request as a candidate
-    ended: bool = False  # the scheduler is done with it (consumed, terminated, aborted)
-
-
 @dataclasses.dataclass(frozen=True)
 class Binding:
     rid: str
@@ -133,15 +124,13 @@ class KvSidecarHiCacheStorage(_Base):
         self.conns: ConnectionPool | None = None
         self.plugin_driven = False  # set by kvsidecar.connector.sglang_plugin once its hooks are applied
         self._bound = threading.local()
-        self._lock = threading.Lock()
-        self._sessions: dict[tuple, SessionRef] = {}
-        self._by_key: dict[str, SessionRef] = {}
-        self._early: dict[tuple, str] = {}  # (rid, attempt) -> "demand" | "abort" before the query ran
+        self._lock = threading.Lock()  # counters and _anon
+        self.sessions = SessionRegistry()
         self._anon: dict[str, int] = {}
-        self._ended: collections.OrderedDict = collections.OrderedDict()  # recently ended (rid, attempt)
         self.counters = {"exists_calls": 0, "get_pages_ok": 0, "get_pages_missed": 0, "set_pages_ok": 0,
                          "set_pages_failed": 0, "degraded_calls": 0, "sessions_started": 0, "sessions_joined": 0,
-                         "demands": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0}
+                         "demands": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
+                         "copies_refused": 0}
 
     # -- set-up -------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -150,9 +139,11 @@ class KvSidecarHiCacheStorage(_Base):
         ptrs, sizes = mem_pool_host.get_page_buffer_meta(_indices(mem_pool_host, [0]))
         if sum(sizes) != self.layout.shard_bytes:
             raise ValueError(f"host pool page is {sum(sizes)} bytes, a layout shard is {self.layout.shard_bytes}")
+        if len(set(sizes)) != 1:
+            raise ValueError(f"host pool page buffers differ in size ({sorted(set(sizes))}); a shard is copied"
+                             " as equal pieces")
         self.entries_per_page = len(ptrs)
         self.entry_bytes = sizes[0]
-        self.shard_offset = self.layout.shard_of(self.rank) * self.layout.shard_bytes
         self.seed = murmur3_128(b"kvsidecar-hicache-v2" + self.layout.fingerprint() + self.namespace.encode())
         cfg = self.config
         self.conns = ConnectionPool(
@@ -180,33 +171,13 @@ class KvSidecarHiCacheStorage(_Base):
             yield conn
 
     def _call(self, fn, default):
-        """``fn(this thread's connector)``, or ``default`` (a miss) when the sidecar is unavailable.
-
-        A connection to an incarnation that is gone (the sidecar was restarted) re-attaches at
-        once and runs ``fn`` again, once, from the start; a sidecar that is down answers miss
-        and is retried after ``reattach_every_s``."""
+        """``fn(a connection checked out for this thread)``, or ``default`` (a miss) when the sidecar
+        is unavailable: the pool's degrade-and-re-attach (``kvsidecar.connector.reconnect``)."""
         conns = self.conns
         if conns is None or self.mem_pool_host is None:
             self._count("degraded_calls")
             return default
-        for retry in (False, True):
-            with conns.checkout() as conn:
-                if conn is None:
-                    self._count("degraded_calls")
-                    return default
-                try:
-                    return fn(conn)
-                except SidecarUnavailable as exc:
-                    if not retry and not conn.client.attached:
-                        log.info("kvsidecar %s: %s; re-attaching", self.instance, exc)
-                        continue
-                    failure = exc
-                except KvSidecarError as exc:
-                    failure = exc
-                log.warning("kvsidecar call failed (%s); answering miss", failure)
-                self._count("degraded_calls")
-                conns.broken(conn)
-                return default
+        return conns.run(fn, default, on_miss=lambda: self._count("degraded_calls"))
 
     # -- request identity (bound by kvsidecar.connector.sglang_plugin around SGLang's storage calls) ------
     @contextlib.contextmanager
@@ -227,18 +198,21 @@ class KvSidecarHiCacheStorage(_Base):
         seed = self.seed
         return b"".join(murmur3_128(seed + k.encode()) for k in keys)
 
-    def _copy(self, conn, blocks, host_indices, n_pages: int, to_host: bool) -> None:
-        """One memcpy per host-pool buffer of each page, between this rank's shard of a pool
-        block and the host page."""
+    def _copy(self, conn, blocks, host_indices, n_pages: int, to_host: bool) -> bool:
+        """This rank's shard of ``blocks[:n_pages]`` to / from the host pages, one memcpy per buffer
+        of each page, by the connection's ``KVCopier``, which checks block ids and piece sizes
+        first: False (logged, counted; nothing copied) when it refuses."""
         ptrs, _sizes = self.mem_pool_host.get_page_buffer_meta(host_indices[: n_pages * self.layout.tokens_per_block])
-        e, eb = self.entries_per_page, self.entry_bytes
-        bb, so = self.layout.block_bytes, self.shard_offset
-        block_offs = array.array("q", (b * bb + so + j * eb for b in blocks[:n_pages] for j in range(e)))
-        host_ptrs = array.array("q", ptrs)
-        if to_host:
-            copy_regions(0, host_ptrs, conn.pool.address, block_offs, eb)
-        else:
-            copy_regions(conn.pool.address, block_offs, 0, host_ptrs, eb)
+        try:
+            if to_host:
+                conn.copier.load_pieces(blocks[:n_pages], ptrs, self.entry_bytes)
+            else:
+                conn.copier.save_pieces(blocks[:n_pages], ptrs, self.entry_bytes)
+        except KVShapeError as exc:
+            log.error("kvsidecar backend: copy %s the host pool refused: %s", "into" if to_host else "out of", exc)
+            self._count("copies_refused")
+            return False
+        return True
 
     # -- sessions -------------------------------------------------------------------------------------
     def _identity(self, keys) -> tuple[str, int, bool]:
@@ -254,53 +228,26 @@ class KvSidecarHiCacheStorage(_Base):
                 self._anon.clear()
         return f"anon:{tail}:{len(keys)}:{n}", 0, False
 
-    def _register_locked(self, ref: SessionRef) -> None:
-        old = self._sessions.pop((ref.rid, ref.attempt), None)
-        if old is not None:
-            self._unindex(old)
-        self._sessions[(ref.rid, ref.attempt)] = ref
-        for k in ref.positions:
-            self._by_key[k] = ref
-
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
-
-    def _unindex(self, ref: SessionRef) -> None:
-        for k in ref.positions:
-            if self._by_key.get(k) is ref:
-                del self._by_key[k]
 
     def _session_for(self, keys) -> SessionRef | None:
         """The session whose chain holds ``keys`` as one consecutive span (the bound request's,
         else the latest one queried with them)."""
         b = self._binding()
-        with self._lock:
-            ref = self._sessions.get((b.rid, b.attempt)) if b is not None else None
-            if ref is None or keys[0] not in ref.positions:
-                ref = self._by_key.get(keys[0])
-        if ref is None:
-            return None
-        off = ref.positions[keys[0]]
-        return ref if ref.positions.get(keys[-1]) == off + len(keys) - 1 else None
+        return self.sessions.for_keys(keys, (b.rid, b.attempt) if b is not None else None)
 
     def session(self, rid: str, attempt: int = 0) -> SessionRef | None:
-        with self._lock:
-            return self._sessions.get((str(rid), int(attempt or 0)))
+        return self.sessions.get(str(rid), int(attempt or 0))
 
     def demand(self, rid: str, attempt: int = 0) -> None:
         """SGLang's first readiness check of the request: it is a scheduling candidate now."""
         if not self.config.sessions.enabled:
             return
         key = (str(rid), int(attempt or 0))
-        with self._lock:
-            ref = self._sessions.get(key)
-            if ref is None:
-                self._early.setdefault(key, "demand")  # the query has not run yet: demand it then
-                return
-            if ref.demanded:
-                return
-            ref.demanded = True
+        if not self.sessions.demand(*key):  # demanded already, or the query sends it when it runs
+            return
         self._count("demands")
 
         def run(c):
@@ -319,20 +266,8 @@ class KvSidecarHiCacheStorage(_Base):
         if not self.config.sessions.enabled:
             return
         key = (str(rid), int(attempt or 0))
-        with self._lock:
-            ref = self._sessions.pop(key, None)
-            if ref is not None:
-                ref.ended = True
-            if ref is None:
-                if key not in self._ended:  # the query has not run yet: it must not start a session
-                    self._early[key] = "abort"
-                    if len(self._early) > 65536:
-                        self._early.clear()
-                return
-            self._unindex(ref)
-            self._ended[key] = None
-            while len(self._ended) > 4096:
-                self._ended.popitem(last=False)
+        if self.sessions.end(*key) is None:  # no session (yet): a query still to come starts none
+            return
         if abort:
             self._count("aborts")
             self._call(lambda c: c.abort(key[0], attempt=key[1]), None)
@@ -351,20 +286,15 @@ class KvSidecarHiCacheStorage(_Base):
         s = self.config.sessions
         policy = s.policy if driven else "timeout"
         ref = SessionRef(rid, attempt, chain, {k: i for i, k in enumerate(keys)})
-        with self._lock:  # registered before the prefetch: a demand or end from the scheduler finds it
-            early = self._early.pop((rid, attempt), None)
-            if early == "abort":
-                return 0  # the request left before its query ran
-            ref.demanded = early == "demand"
-            self._register_locked(ref)
+        if not self.sessions.open(ref):  # before the prefetch: a demand or end from the scheduler finds it
+            return 0  # the request left before its query ran
 
         def run(c):
             view = c.prefetch(chain, rid, attempt=attempt, policy=policy, budget_s=s.budget_s,
                               chunk_max_blocks=s.chunk_max_blocks or None,
                               tokens=len(keys) * self.layout.tokens_per_block)
             self._count("sessions_joined" if view.get("existed") else "sessions_started")
-            with self._lock:
-                demanded, ended = ref.demanded, ref.ended
+            demanded, ended = self.sessions.flags(ref)
             if ended:  # the scheduler was done with it while the prefetch was on its way
                 c.abort(rid, attempt=attempt)
                 return 0
@@ -382,10 +312,7 @@ class KvSidecarHiCacheStorage(_Base):
 
         hit = self._call(run, None)
         if hit is None:  # no sidecar: nothing to track
-            with self._lock:
-                if self._sessions.get((rid, attempt)) is ref:
-                    del self._sessions[(rid, attempt)]
-                    self._unindex(ref)
+            self.sessions.discard(ref)
             return 0
         return min(len(keys), hit)
 
@@ -401,8 +328,8 @@ class KvSidecarHiCacheStorage(_Base):
                 lease = c.get(chain)
                 try:
                     got = c.verified(lease, 0, lease.count)  # a corrupt block cuts the hit there
-                    if got:
-                        self._copy(c, lease.blocks, host_indices, got, to_host=True)
+                    if got and not self._copy(c, lease.blocks, host_indices, got, to_host=True):
+                        got = 0
                 finally:
                     c.release(lease)
                 return got
@@ -418,8 +345,8 @@ class KvSidecarHiCacheStorage(_Base):
                 lease = c.get(chain_span(ref.chain, 0, end), req=ref.rid, attempt=ref.attempt or None, step=off)
                 try:
                     got = c.verified(lease, off, max(0, min(lease.count, end) - off))
-                    if got:
-                        self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True)
+                    if got and not self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True):
+                        got = 0
                 finally:
                     c.release(lease)
                 return got
@@ -448,7 +375,7 @@ class KvSidecarHiCacheStorage(_Base):
                 ok = True
                 try:
                     idx = host_indices[st.start * self.layout.tokens_per_block:]
-                    self._copy(c, st.blocks, idx, st.count, to_host=False)
+                    ok = self._copy(c, st.blocks, idx, st.count, to_host=False)
                 except Exception:
                     log.exception("copy into staging failed")
                     ok = False
@@ -476,20 +403,17 @@ class KvSidecarHiCacheStorage(_Base):
         import torch
 
         chain = self._chain(keys)
-        sb, so, bb = self.layout.shard_bytes, self.shard_offset, self.layout.block_bytes
 
         def run(c):
             lease = c.get(chain)
             out = []
             try:
-                pool = c.pool.view
                 good = c.verified(lease, 0, lease.count)
                 for i in range(len(keys)):
                     if i >= good:
                         out.append(None)
                         continue
-                    at = lease.blocks[i] * bb + so
-                    data = torch.frombuffer(bytearray(pool[at:at + sb]), dtype=torch.uint8)
+                    data = torch.frombuffer(bytearray(c.copier.read_shard(lease.blocks[i])), dtype=torch.uint8)
                     if target_locations is not None and target_locations[i] is not None:
                         target_locations[i].view(torch.uint8).view(-1).copy_(data)
                         out.append(target_locations[i])
@@ -515,19 +439,17 @@ class KvSidecarHiCacheStorage(_Base):
         if not self.writer:
             return True
         chain = self._chain(keys)
-        sb, so, bb = self.layout.shard_bytes, self.shard_offset, self.layout.block_bytes
 
         def run(c):
             st = self._store(c, chain, keys)
             if not st.count:
                 return True
-            view = c.pool.view
             for i, b in enumerate(st.blocks):
-                raw = src[st.start + i].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                if len(raw) != sb:
+                try:
+                    c.copier.write_shard(b, src[st.start + i].contiguous().view(-1).view(torch.uint8).numpy())
+                except KVShapeError:
                     c.commit(st, ok=False)
                     return False
-                view[b * bb + so:b * bb + so + sb] = raw
             r = c.commit(st)
             return bool(r.get("published") or r.get("pending"))
 

@@ -6,6 +6,12 @@ layer), page size == ``tokens_per_block``.  Page ``p`` of one (layer, K/V) is on
 contiguous region of ``layout.region_bytes``, and so is this rank's shard of that
 (layer, K/V) in pool block ``b`` (see ``kvsidecar.shm.layout``) — one memcpy each.
 
+A host that keeps its own page buffers (SGLang's HiCache host pool) copies this rank's
+shard of each block as ``pieces`` consecutive pieces, to or from host addresses it names
+(:meth:`KVCopier.load_pieces` / :meth:`KVCopier.save_pieces`), or whole shards as bytes
+(:meth:`KVCopier.read_shard` / :meth:`KVCopier.write_shard`).  Every copy checks its block
+ids against the pool and its sizes against the layout before a byte moves.
+
 CPU tensors: ``kvsidecar._native.copy.copy_regions`` copies all regions of one (layer, K/V) in a
 single C loop with the GIL released, straight out of the shared mapping.
 CUDA tensors: the pool mapping is ``cudaHostRegister``-ed once — at attach, in the
@@ -42,6 +48,7 @@ class KVCopier:
         self.num_pool_blocks = pool_bytes // layout.block_bytes
         self._cuda_registered = False
         self._stream = None
+        self._view: memoryview | None = None  # the pool as bytes (whole-shard reads and writes)
 
     # -- validation -----------------------------------------------------------------------------
     def check_kv(self, kv_caches) -> None:
@@ -59,11 +66,14 @@ class KVCopier:
                 if t.element_size() != L.itemsize or not t.is_contiguous():
                     raise KVShapeError(f"layer {layer}: dtype/contiguity does not match the layout")
 
-    def _offsets(self, blocks, pages, num_pages: int):
-        L = self.layout
+    def _check_blocks(self, blocks) -> None:
         for b in blocks:
             if not 0 <= b < self.num_pool_blocks:
                 raise KVShapeError(f"block id {b} outside the pool")
+
+    def _offsets(self, blocks, pages, num_pages: int):
+        L = self.layout
+        self._check_blocks(blocks)
         for p in pages:
             if not 0 <= p < num_pages:
                 raise KVShapeError(f"page {p} outside the engine pool of {num_pages}")
@@ -82,11 +92,73 @@ class KVCopier:
         return self._copy(blocks, kv_caches, pages, layers, to_engine=False)
 
     def _copy(self, blocks, kv_caches, pages, layers, to_engine: bool) -> int:
+        return self._paused(lambda: self._copy_now(blocks, kv_caches, pages, layers, to_engine))
+
+    def _paused(self, copy):
         reg = self._registration
         if reg is None or reg.done:
-            return self._copy_now(blocks, kv_caches, pages, layers, to_engine)
+            return copy()
         with reg.copying():  # the attach-time populate pauses: two threads faulting one mapping are slower
-            return self._copy_now(blocks, kv_caches, pages, layers, to_engine)
+            return copy()
+
+    # -- host page buffers (SGLang's host pool) -------------------------------------------------
+    def load_pieces(self, blocks, host_ptrs, piece_bytes: int) -> int:
+        """This rank's shard of ``blocks`` → host memory: ``host_ptrs`` lists, block by block, the
+        address of each of the shard's ``len(host_ptrs) // len(blocks)`` consecutive pieces of
+        ``piece_bytes``.  Returns bytes copied."""
+        return self._pieces(blocks, host_ptrs, piece_bytes, to_host=True)
+
+    def save_pieces(self, blocks, host_ptrs, piece_bytes: int) -> int:
+        """Host memory → this rank's shard of (staging) ``blocks``; the inverse of :meth:`load_pieces`."""
+        return self._pieces(blocks, host_ptrs, piece_bytes, to_host=False)
+
+    def _pieces(self, blocks, host_ptrs, piece_bytes: int, to_host: bool) -> int:
+        L = self.layout
+        n = len(blocks)
+        if n == 0:
+            return 0
+        if len(host_ptrs) % n:
+            raise KVShapeError(f"{len(host_ptrs)} host pieces for {n} blocks")
+        per = len(host_ptrs) // n
+        if piece_bytes <= 0 or per * piece_bytes != L.shard_bytes:
+            raise KVShapeError(f"{per} pieces of {piece_bytes} B per block; a shard is {L.shard_bytes} B")
+        self._check_blocks(blocks)
+        if any(p <= 0 for p in host_ptrs):
+            raise KVShapeError("a host piece has no address")
+        base = self.shard * L.shard_bytes
+        bb = L.block_bytes
+        block_off = array.array("q", (b * bb + base + j * piece_bytes for b in blocks for j in range(per)))
+        host = array.array("q", host_ptrs)
+        if to_host:
+            self._paused(lambda: copy_regions(0, host, self.pool_address, block_off, piece_bytes))
+        else:
+            self._paused(lambda: copy_regions(self.pool_address, block_off, 0, host, piece_bytes))
+        return n * L.shard_bytes
+
+    def read_shard(self, block: int) -> bytes:
+        """A copy of this rank's shard of pool block ``block``."""
+        at = self._shard_at(block)
+        return self._paused(lambda: bytes(self._pool_view()[at:at + self.layout.shard_bytes]))
+
+    def write_shard(self, block: int, data) -> None:
+        """Write exactly one shard's bytes into this rank's shard of (staging) block ``block``."""
+        raw = memoryview(data).cast("B")
+        if raw.nbytes != self.layout.shard_bytes:
+            raise KVShapeError(f"{raw.nbytes} B given; a shard is {self.layout.shard_bytes} B")
+        at = self._shard_at(block)
+
+        def write():
+            self._pool_view()[at:at + raw.nbytes] = raw
+        self._paused(write)
+
+    def _shard_at(self, block: int) -> int:
+        self._check_blocks((block,))
+        return block * self.layout.block_bytes + self.shard * self.layout.shard_bytes
+
+    def _pool_view(self) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(_ctypes_buffer(self.pool_address, self.pool_bytes)).cast("B")
+        return self._view
 
     def _copy_now(self, blocks, kv_caches, pages, layers, to_engine: bool) -> int:
         if len(blocks) != len(pages):
@@ -148,6 +220,9 @@ class KVCopier:
 
     def close(self) -> None:
         """Unregister the mapping from CUDA if it was registered (here or at attach)."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
         reg = self._registration
         if self._cuda_registered or (reg is not None and reg.cuda_registered):  # pragma: no cover
             import torch
@@ -158,7 +233,7 @@ class KVCopier:
                 reg.cuda_registered = False
 
 
-def _ctypes_buffer(address: int, size: int):  # pragma: no cover
+def _ctypes_buffer(address: int, size: int):
     import ctypes
 
     return (ctypes.c_uint8 * size).from_address(address)

@@ -36,7 +36,9 @@ Invariants:
 * Connections held ≤ ``max_connections``; in use ≤ held.  A connection checked in is
   attached, or is re-attached by its next checkout (a sidecar restart: a new incarnation,
   its own pool mapping); while the sidecar is down every checkout answers ``None`` at once
-  and an attach is retried at most every ``reattach_every_s`` (all threads together).
+  and an attach is retried per the pool's one
+  :class:`~kvsidecar.connector.reconnect.ReconnectPolicy` (all threads together; its
+  :meth:`run` is the backend's degrade-and-re-attach).
 * Every wait is bounded (``wait_s`` for a free connection; then ``None`` and a counter).
 * ``close_all`` detaches every connection (any thread; call it once the host's threads are
   stopped -- a connection still checked out is detached when it is checked in).
@@ -49,9 +51,10 @@ import logging
 import threading
 import time
 
-from kvsidecar.shm.errors import KvSidecarError, SidecarBusy
+from kvsidecar.shm.errors import KvSidecarError, UnavailableCause
 
 from .kv_client import KVConnector
+from .reconnect import ReconnectPolicy
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +76,9 @@ class ConnectionPool:
         self._all: list[KVConnector] = []  # every connection the pool holds (attached or not)
         self._free: list[KVConnector] = []  # checked in; last in, first out (a small hot set)
         self._holder: dict[int, list] = {}  # thread ident -> [conn, depth] while inside a call
-        self._down_since: float | None = None  # the last attach found no sidecar
+        self.policy = ReconnectPolicy(reattach_every_s, name=name)  # one gate for every thread
         self._grow_after = float("-inf")  # no new connection before this (the sidecar had no slot)
         self._closed = False
-        self._warned = False  # one warning per outage, one info line when it is back
         self.counters = {"attaches": 0, "checkouts": 0, "waited": 0, "wait_timeouts": 0, "unavailable": 0,
                          "slot_exhaustions": 0, "peak_in_use": 0}
 
@@ -108,31 +110,36 @@ class ConnectionPool:
         finally:
             self._checkin(me, conn)
 
+    def run(self, fn, default, *, retry: bool = True, on_miss=None):
+        """``fn(conn)`` on a connection checked out for this thread, or ``default`` (a miss): the
+        policy's degrade-and-re-attach (:meth:`ReconnectPolicy.run`)."""
+        return self.policy.run(self.checkout, fn, default, retry=retry, on_miss=on_miss)
+
     # -- internals --------------------------------------------------------------------------------
     def _acquire(self) -> KVConnector | None:
         deadline = time.monotonic() + self.wait_s
         while True:
-            conn, fresh = self._take(deadline)
+            conn = self._take(deadline)
             if conn is None or conn.client.attached:
                 return conn
-            outcome = self._attach(conn, fresh)
+            outcome = self._attach(conn)
             if outcome == "ok":
                 return conn
             if outcome == "busy":
                 continue  # the pool stopped growing: wait for one of ours
             return None
 
-    def _take(self, deadline: float) -> tuple[KVConnector | None, bool]:
+    def _take(self, deadline: float) -> KVConnector | None:
         """A free connection, a new one (under the cap), or after a bounded wait ``None``."""
         waited = False
         with self._cond:
             while True:
                 now = time.monotonic()
                 if self._closed:
-                    return None, False
-                if self._down_since is not None and now - self._down_since < self.reattach_every_s:
+                    return None
+                if self.policy.held_off():
                     self.counters["unavailable"] += 1
-                    return None, False
+                    return None
                 if self._free:
                     conn = self._free.pop()
                     break
@@ -140,16 +147,16 @@ class ConnectionPool:
                     conn = self._make()
                     self._all.append(conn)
                     self._mark_in_use()
-                    return conn, True
+                    return conn
                 if now >= deadline:
                     self.counters["wait_timeouts"] += 1
-                    return None, False
+                    return None
                 if not waited:
                     waited = True
                     self.counters["waited"] += 1
                 self._cond.wait(deadline - now)
             self._mark_in_use()
-            return conn, False
+            return conn
 
     def _mark_in_use(self) -> None:
         self.counters["checkouts"] += 1
@@ -157,54 +164,28 @@ class ConnectionPool:
         if in_use > self.counters["peak_in_use"]:
             self.counters["peak_in_use"] = in_use
 
-    def _attach(self, conn: KVConnector, fresh: bool) -> str:
+    def _attach(self, conn: KVConnector) -> str:
         """Attach ``conn`` (outside the lock: a round trip and a pool mapping).  "ok", "busy"
         (no free slot, but the pool has other connections to share) or "down"."""
-        if not fresh:
-            conn.close()  # a dead incarnation's rings and pool mapping
-        try:
-            conn.attach()
-        except SidecarBusy as exc:
-            conn.close()
+        def sharing() -> bool:
             with self._cond:
+                return any(c is not conn for c in self._all)
+
+        cause = self.policy.attach(conn, sharing=sharing)
+        with self._cond:
+            if cause is None:
+                self.counters["attaches"] += 1
+                return "ok"
+            if cause is UnavailableCause.SLOTS_EXHAUSTED:
                 self.counters["slot_exhaustions"] += 1
                 self._all.remove(conn)
                 self._grow_after = time.monotonic() + self.reattach_every_s
                 shared = bool(self._all)
-                if not shared:
-                    self._down_since = time.monotonic()
-                self._cond.notify_all()
-            if shared:
-                self._warn(f"cannot add a connection ({exc}); this process' threads share the ones it has",
-                           shared)
             else:
-                self._warn(f"unavailable ({exc}); storage misses until a slot is free", shared)
-            return "busy" if shared else "down"
-        except KvSidecarError as exc:
-            conn.close()
-            with self._cond:
                 self._free.append(conn)  # kept: re-attached by a later checkout
-                self._down_since = time.monotonic()
-                self._cond.notify_all()
-            self._warn(f"unavailable ({exc}): storage misses until it is back", False)
-            return "down"
-        with self._cond:
-            self._down_since = None
-            self.counters["attaches"] += 1
-            back = self._warned
-            self._warned = False
-        if back:
-            log.info("%s: attached again (%d connections in this process)", self.name, self.count())
-        return "ok"
-
-    def _warn(self, msg: str, shared: bool) -> None:
-        with self._cond:
-            first = not self._warned
-            self._warned = True
-        if first:
-            log.warning("%s in thread %s: %s", self.name, threading.current_thread().name, msg)
-        elif not shared:
-            log.debug("%s still unavailable: %s", self.name, msg)
+                shared = False
+            self._cond.notify_all()
+        return "busy" if shared else "down"
 
     def _checkin(self, me: int, conn: KVConnector) -> None:
         with self._cond:
@@ -220,12 +201,6 @@ class ConnectionPool:
             _detach(conn)
 
     # -- for the host ---------------------------------------------------------------------------
-    def broken(self, conn: KVConnector | None) -> None:
-        """A call on ``conn`` failed: if its client is gone, back off before re-attaching."""
-        if conn is not None and not conn.client.attached:
-            with self._cond:
-                self._down_since = time.monotonic()
-
     def count(self) -> int:
         """Connections this process holds (each is one client slot while attached)."""
         with self._cond:
@@ -237,8 +212,12 @@ class ConnectionPool:
 
     def stats(self) -> dict:
         with self._cond:
-            return {**self.counters, "connections": len(self._all), "in_use": len(self._all) - len(self._free),
-                    "attached": sum(1 for c in self._all if c.client.attached), "max": self.max_connections}
+            out = {**self.counters, "connections": len(self._all), "in_use": len(self._all) - len(self._free),
+                   "attached": sum(1 for c in self._all if c.client.attached), "max": self.max_connections}
+        p = self.policy.stats()
+        out.update({"misses": p["misses"], "errors": p["errors"], "held_off": p["held_off"],
+                    **{f"unavailable_{k}": v for k, v in p["causes"].items()}})
+        return out
 
     def close_all(self) -> None:
         """Detach every connection checked in now; one still checked out is detached at check-in."""

@@ -38,7 +38,7 @@ from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
 from .vllm_config import VllmConnectorConfig
-from .vllm_link import SidecarLink
+from .reconnect import SidecarLink
 from .vllm_meta import LoadSpec, StepPlan, StoreSpec
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from kvsidecar.shm.layout import KVLayout
 from .kv_client import KVConnector, Lease
 from .vllm_config import VllmConnectorConfig
 from .vllm_kv import PageViews
-from .vllm_link import SidecarLink
+from .reconnect import SidecarLink
 from .vllm_meta import LoadSpec, StepPlan
 
 log = logging.getLogger(__name__)

@@ -28,15 +28,38 @@ class KvSidecarError(Exception):
     """Base of every error this package raises on purpose."""
 
 
-class SidecarUnavailable(KvSidecarError):
-    """The sidecar is absent, dead, or restarted under a new generation.
+class UnavailableCause(enum.Enum):
+    """Why a call could not reach a sidecar (``SidecarUnavailable.cause``): what the connector's
+    reconnect policy (``kvsidecar.connector.reconnect``) decides its next step from."""
 
-    The engine treats this as a miss and recomputes; a connector can re-attach.
+    NOT_RUNNING = "not_running"  # no sidecar serves the instance: no segment, a stale one, starting or stopping
+    RESTARTED = "restarted"  # the incarnation this connection attached to died, is stopping, or was replaced
+    SLOTS_EXHAUSTED = "slots_exhausted"  # every client slot of the control segment is taken
+    TIMED_OUT = "timed_out"  # a live sidecar did not answer, or drain the submit ring, before the deadline
+    REFUSED = "refused"  # incompatible: protocol version, segment format, or the attach was refused
+    BROKEN = "broken"  # this connection is unusable: a ring failed validation, or it is not attached
+
+
+class SidecarUnavailable(KvSidecarError):
+    """The sidecar could not serve this call; ``cause`` (an :class:`UnavailableCause`) says why.
+
+    The engine treats this as a miss and recomputes; a connector can re-attach.  Every failure
+    of the transport is one (``SidecarBusy`` and ``RequestTimeout`` are subclasses); an error
+    reply from a live sidecar is a :class:`RemoteError` instead.
     """
 
+    default_cause = UnavailableCause.NOT_RUNNING
 
-class SidecarBusy(KvSidecarError):
-    """Back-pressure did not clear before the caller's deadline (full ring)."""
+    def __init__(self, message: str = "", cause: UnavailableCause | None = None):
+        super().__init__(message)
+        self.cause = cause if cause is not None else self.default_cause
+
+
+class SidecarBusy(SidecarUnavailable):
+    """No client slot was free (cause ``SLOTS_EXHAUSTED``), or back-pressure did not clear before
+    the caller's deadline (a full submit ring: ``TIMED_OUT``)."""
+
+    default_cause = UnavailableCause.SLOTS_EXHAUSTED
 
 
 class SegmentError(KvSidecarError):
@@ -83,5 +106,7 @@ class CorruptBlock(KvSidecarError):
         self.block = block
 
 
-class RequestTimeout(KvSidecarError):
-    """A live sidecar did not answer within the caller's deadline."""
+class RequestTimeout(SidecarUnavailable):
+    """A live sidecar did not answer within the caller's deadline (cause ``TIMED_OUT``)."""
+
+    default_cause = UnavailableCause.TIMED_OUT
