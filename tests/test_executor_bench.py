@@ -363,7 +363,7 @@ def test_capacity_stop_under_the_pinned_limit_does_not_deadlock():
     b.tier.answer_lookups()
     b.tier.run_all()
     p = terminal(b, "r")
-    assert (p["status"], p["reason"]) == ("failed", "limit") and p["prefix"] == 6
+    assert (p["status"], p["reason"]) == ("limit", "limit") and p["prefix"] == 6
     assert b.core.pool.refusals["pinned"] >= 1
     assert b.take("r", c) == 6 and b.books()["pinned"] == 0
 
@@ -376,7 +376,7 @@ def test_capacity_stop_under_the_reserved_limit():
     assert sum(len(r.keys) // KEY for r in b.tier.reads) == 3
     b.tier.run_all()
     p = terminal(b, "r")
-    assert p["reason"] == "limit" and p["prefix"] == 3 and b.core.pool.refusals["reserved"] >= 1
+    assert (p["status"], p["reason"]) == ("limit", "limit") and p["prefix"] == 3 and b.core.pool.refusals["reserved"] >= 1
 
 
 def test_allocator_stop_when_everything_is_pinned():

@@ -225,9 +225,9 @@ def test_limit_shrinks_claim_and_stops():
     s.handle(Start(0))
     s.handle(QueryDone(12, 0))
     a = s.handle(ClaimShort(1, 2, 0))
-    assert s.sealed and s.reason == "limit" and not claims(a)
+    assert s.sealed and (s.status, s.reason) == (Status.LIMIT, "limit") and s.keep_admitted and not claims(a)
     out = s.handle(ChunkDone(0, [True] * 4, 1)) + s.handle(ChunkDone(1, [True] * 2, 1))
-    assert finish(out) == Finish(Status.FAILED, 6, "limit")
+    assert finish(out) == Finish(Status.LIMIT, 6, "limit")
 
 
 def test_checkpoints_bound_the_published_prefix():

@@ -60,7 +60,8 @@ class Status(str, enum.Enum):
     TIMEOUT = "timeout"
     DEMANDED = "demanded"
     ABORTED = "aborted"
-    FAILED = "failed"
+    FAILED = "failed"  # a block read failed (the prefix is cut there), or L3 did not hold the span
+    LIMIT = "limit"  # a healthy capacity stop: a pool limit shrank a claim; it ends with what it has
     COST = "cost"  # cost_aware stopped: restoring more would not lower TTFT
     NO_HIT = "no_hit"
 
@@ -422,8 +423,8 @@ class Session:
             c.count = e.granted
             self.next_pos = c.start + e.granted
         self.target = self.next_pos
-        self._seal(Status.FAILED, "limit")  # over a budget: stop claiming, end with what it has
-        self.keep_admitted = self.reason == "limit"  # a limit stop reads what was admitted
+        self._seal(Status.LIMIT, "limit")  # over a budget: stop claiming, end with what it has
+        self.keep_admitted = self.status == Status.LIMIT  # a capacity stop reads what was admitted
         return self._advance()
 
     def _on_chunk_done(self, e: ChunkDone) -> list:
