@@ -69,7 +69,7 @@ def _previous_generation(name: str) -> int:
         seg.close()
 
 
-class SidecarHost:
+class SidecarApp:
     """Owns the segments of one sidecar and the :class:`Sidecar` loop over them."""
 
     def __init__(self, cfg: SidecarConfig, stop: threading.Event | None = None):
@@ -231,7 +231,7 @@ def _rss_summary() -> str:
         return "rss unknown"
 
 
-def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
+def build_backend(cfg: SidecarConfig, host: "SidecarApp"):
     """The configured L3 backend (wrapped for shaping/faults when asked), or None."""
     from kvsidecar.sidecar.l3.filestore import FileStore
     from kvsidecar.sidecar.l3.shaped import ShapedBackend
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     # Installed before the segments exist: a signal during start-up (a large pool takes a
     # while to allocate) interrupts it between chunks, and what was created is unlinked.
     stop = threading.Event()
-    started: list[SidecarHost] = []
+    started: list[SidecarApp] = []
 
     def on_signal(signum, _frame):
         if started:
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        host = SidecarHost(cfg, stop=stop)
+        host = SidecarApp(cfg, stop=stop)
     except StartupInterrupted:
         log.info("sidecar %s: start-up interrupted by a signal; segments unlinked", cfg.instance)
         return 0

@@ -5,7 +5,9 @@ L3 — in the spirit of h11: typed events in (:meth:`Session.handle`), typed act
 Which event each state accepts is one explicit table, :data:`TRANSITIONS` ((state, event
 type) → ``LEGAL`` or ``IGNORED``); a pair not in it raises :class:`IllegalTransition` (an
 :class:`IllegalEvent`), as does a legal pair whose data cannot be (a chunk not in flight).  The control thread
-(``kvsidecar.sidecar.prefetch.executor``) feeds events and carries out the actions.  Positions are block indices in the request's chain.
+(``kvsidecar.sidecar.prefetch.sessions``) feeds events and its executor
+(``kvsidecar.sidecar.prefetch.executor``) carries out the actions.  Positions are block
+indices in the request's chain.
 
 ::
 
@@ -439,7 +441,7 @@ class Session:
 
     def _on_withdrawn(self, e) -> list:
         """After a stop: a chunk whose read never started was withdrawn from the sender, or one
-        still in flight was left behind when the drain budget ran out (the executor keeps its
+        still in flight was left behind when the drain budget ran out (the pool manager keeps its
         blocks staging until the read really ends).  Either way its positions are not part of
         the result.  Only legal once sealed (DRAINING: see :data:`TRANSITIONS`)."""
         self._pending(e.chunk, type(e).__name__)
