@@ -95,7 +95,8 @@ class SessionExecutor:
                 return extra
         io = ChunkIO(plan)
         rec.chunks[a.chunk] = io
-        self.counters["blocks_deduplicated"] += len(plan.shared_ok)
+        if plan.shared_ok:  # awaited, not read twice
+            self.counters["blocks_deduplicated"] += len(plan.shared_ok)
         io.t0 = self.clock()
         if plan.own_blocks:
             io.reading = True
@@ -112,9 +113,9 @@ class SessionExecutor:
         ok = result.ok
         orphan = self.pool.resolve_orphan((sid, chunk), ok)
         if orphan is not None:
-            published, dropped = orphan
-            self.counters["orphan_blocks_published"] += published
-            self.counters["orphan_blocks_dropped"] += dropped
+            for outcome, n in zip(("published", "dropped"), orphan):
+                if n:
+                    self.counters[f"orphan_blocks_{outcome}"] += n
             return
         rec = self._session_of(sid)
         io = rec.chunks.get(chunk) if rec else None

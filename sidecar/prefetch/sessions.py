@@ -58,11 +58,19 @@ class SessionManager(Service):
         self.records: dict[tuple, Record] = {}
         self.by_id: dict[int, Record] = {}
         self._ids = itertools.count(1)
-        self.counters = collections.Counter()
+        self._counters = collections.Counter()
         self.waits = SessionWaits(self.sidecar, self.clock)  # deferred ``wait`` replies
-        self.executor = SessionExecutor(self.pool, tier, self.sidecar, self.clock, self.counters,
+        self.executor = SessionExecutor(self.pool, tier, self.sidecar, self.clock, self._counters,
                                         query_done=self._query_done, chunk_done=self._chunk_done,
                                         finished=self._finish, session_of=self.by_id.get)
+
+    @property
+    def counters(self) -> collections.Counter:
+        """What sessions did (started, terminal by status, blocks restored, withdrawn, ...), with the
+        results handed off to a GET (counted where the hand-off happens, the pool manager)."""
+        if self.pool.handoffs:
+            self._counters["handoffs"] = self.pool.handoffs
+        return self._counters
 
     @property
     def orphans(self) -> dict:
@@ -121,7 +129,7 @@ class SessionManager(Service):
         rec.machine = Session(params)
         self.records[key] = rec
         self.by_id[rec.id] = rec
-        self.counters[f"started_{policy.value}"] += 1
+        self._counters[f"started_{policy.value}"] += 1
         if deadline is not None:
             self.sidecar.call_at(deadline, self._deadline_due, rec.id)
         self._run(rec, rec.machine.handle(Start(now)))
@@ -254,8 +262,8 @@ class SessionManager(Service):
                                  ttl_s=self.cfg.retained_ttl_s, now=now)
         if lease is not None:
             self.core.arm_reaper(lease.deadline)
-        self.counters[f"terminal_{a.status.value}"] += 1
-        self.counters["restored_blocks"] += rec.restored
+        self._counters[f"terminal_{a.status.value}"] += 1
+        self._counters["restored_blocks"] += rec.restored
         self.sidecar.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
         self.observer.session_ended(self._outcome(rec, a, now))
 
@@ -300,6 +308,5 @@ class SessionManager(Service):
 
     def stats(self) -> dict:
         by_state = collections.Counter(r.machine.state.value for r in self.records.values())
-        handoffs = {"handoffs": self.pool.handoffs} if self.pool.handoffs else {}
         return {"sessions": {"by_state": dict(by_state), "outstanding_staging": self.pool.staged_blocks(),
-                             "orphans": len(self.pool.orphans), **dict(self.counters), **handoffs}}
+                             "orphans": len(self.pool.orphans), **dict(self.counters)}}
