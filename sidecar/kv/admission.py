@@ -49,7 +49,7 @@ import dataclasses
 from kvsidecar.shm.errors import ErrorCode
 
 from kvsidecar.shm.chain import count as id_count, key as chain_key, length as chain_len, span as chain_span
-from kvsidecar.sidecar.kv.chunks import ChunkKind, ChunkPlan, SessionHold
+from kvsidecar.sidecar.kv.chunks import OWN, RESIDENT, SHARED, ChunkKind, ChunkPlan, SessionHold  # noqa: F401
 from kvsidecar.sidecar.kv.index import PrefixIndex, pack_ids, unpack_ids
 from kvsidecar.sidecar.kv.leases import Lease, LeaseTable
 
@@ -187,11 +187,11 @@ class PoolManager:
 
     # -- staged keys: every publish / drop goes through here (it wakes the key's waiters) -------
     def _publish_key(self, key: bytes, block: int, parent: int) -> None:
-        if self.index.publish(key, block, parent):
+        if self.index.publish(key, block, parent) and key in self.waiters:
             self._resolved(key, True)
 
     def _unstage_key(self, key: bytes, block: int) -> None:
-        if self.index.drop_staging(key, block):
+        if self.index.drop_staging(key, block) and key in self.waiters:
             self._resolved(key, False)
 
     def _resolved(self, key: bytes, published: bool) -> None:
@@ -236,18 +236,18 @@ class PoolManager:
             key = chain_key(hold.chain, pos)
             b = idx.find(key)
             if b >= 0:
-                kind, need = ChunkKind.RESIDENT, 1 if idx.refcount(b) == 0 else 0
+                kind, need = RESIDENT, 1 if idx.refcount(b) == 0 else 0
             elif key in idx.staging:
-                kind, need = ChunkKind.SHARED, 0
+                kind, need = SHARED, 0
             else:
-                kind, need = ChunkKind.OWN, 1
-            if kind is ChunkKind.OWN and len(own_positions) + 1 > reserved_room:
+                kind, need = OWN, 1
+            if kind is OWN and len(own_positions) + 1 > reserved_room:
                 refusal = self.refuse("reserved", "session claim over reserved_bytes_limit")
                 break
             if len(own_positions) + need > pinned_room:
                 refusal = self.refuse("pinned", "session claim over pinned_bytes_limit")
                 break
-            if kind is ChunkKind.OWN:
+            if kind is OWN:
                 own_positions.append(pos)
             kinds.append(kind)
         blocks = list(unpack_ids(self.allocate(len(own_positions)))) if own_positions else []
@@ -264,11 +264,11 @@ class PoolManager:
         self._session_staged += len(blocks)
         for off, kind in enumerate(kinds):
             pos = start + off
-            if kind is ChunkKind.RESIDENT:
+            if kind is RESIDENT:
                 b = idx.find(chain_key(hold.chain, pos))
                 idx.pin(pack_ids([b]))
                 hold.pins[pos] = b
-            elif kind is ChunkKind.SHARED:
+            elif kind is SHARED:
                 plan.shared_ok[pos] = None
                 self.waiters[chain_key(hold.chain, pos)].append((plan, pos))
         if not own_positions:
@@ -425,7 +425,7 @@ class PoolManager:
         hold = plan.hold
         for off, kind in enumerate(plan.kinds):
             pos = plan.start + off
-            if kind is ChunkKind.RESIDENT and pos in hold.pins and pos >= published:
+            if kind is RESIDENT and pos in hold.pins and pos >= published:
                 self.index.unpin(pack_ids([hold.pins.pop(pos)]))
 
     # -- the books (KVCore.check) ------------------------------------------------------------------

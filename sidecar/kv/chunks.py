@@ -26,6 +26,10 @@ class ChunkKind(str, enum.Enum):
     OWN = "own"  # ours to read from L3 into a STAGING block
 
 
+# (module constants: an Enum member lookup on the class is a descriptor call on the hot path)
+RESIDENT, SHARED, OWN = ChunkKind.RESIDENT, ChunkKind.SHARED, ChunkKind.OWN
+
+
 @dataclasses.dataclass(eq=False)
 class SessionHold:
     id: int  # the session's id
@@ -61,6 +65,5 @@ class ChunkPlan:
         out = []
         for off, kind in enumerate(self.kinds):
             pos = self.start + off
-            out.append(True if kind is ChunkKind.RESIDENT
-                       else self.shared_ok[pos] if kind is ChunkKind.SHARED else self.read_ok[pos])
+            out.append(True if kind is RESIDENT else self.shared_ok[pos] if kind is SHARED else self.read_ok[pos])
         return tuple(out)

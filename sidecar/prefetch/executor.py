@@ -24,7 +24,7 @@ import logging
 
 from kvsidecar.shm.chain import key as chain_key, span as chain_span
 from kvsidecar.sidecar.kv.admission import PoolManager, Refusal
-from kvsidecar.sidecar.kv.chunks import ChunkKind, ChunkPlan
+from kvsidecar.sidecar.kv.chunks import ChunkPlan
 from kvsidecar.sidecar.kv.index import pack_ids
 from kvsidecar.sidecar.l3.tier import read_priority
 from kvsidecar.sidecar.prefetch.machine import (ChunkAbandoned, ChunkWithdrawn, Claim, ClaimShort, Drop, Finish,
@@ -203,4 +203,4 @@ class SessionExecutor:
         self.carry_out(rec, actions)
 
 
-__all__ = ["SessionExecutor", "ChunkKind"]
+__all__ = ["SessionExecutor"]
