@@ -93,7 +93,9 @@ class PoolManager:
         self.orphans: dict[tuple, ChunkPlan] = {}  # (session, chunk) -> a read nobody waits for
         self.results: dict[tuple, Lease] = {}  # request -> its session's result (prefetch) lease
         self.handoffs = 0  # results dropped by their request's GET
-        self._session_staged = 0  # blocks in sessions' plans and orphans (pinned once published)
+        # blocks in sessions' plans and orphans (pinned once published): changed only where such a
+        # block enters STAGING (claim) or leaves it (_own_published, _own_freed); check() recounts
+        self._session_staged = 0
 
     # -- limits --------------------------------------------------------------------------------
     def headroom(self, pin_reserved: int = 0) -> tuple[int, int]:
@@ -290,11 +292,9 @@ class PoolManager:
         for pos in range(plan.start, plan.start + count):
             b = plan.own_blocks.pop(pos, None)
             if b is not None:
-                parent = hold.pins[pos - 1] if pos else -1
-                self._publish_key(chain_key(hold.chain, pos), b, parent)
+                self._own_published(chain_key(hold.chain, pos), b, hold.pins[pos - 1] if pos else -1)
                 self.index.pin(pack_ids([b]))
                 hold.pins[pos] = b
-                self._session_staged -= 1
                 n += 1
         if count == plan.count:
             self._detach(plan)
@@ -308,8 +308,7 @@ class PoolManager:
         for pos in range(plan.start + offset, plan.start + plan.count):
             b = plan.own_blocks.pop(pos, None)
             if b is not None:
-                self._unstage_key(chain_key(hold.chain, pos), b)
-                self._session_staged -= 1
+                self._own_freed(chain_key(hold.chain, pos), b)
             elif pos in hold.pins and pos >= published:
                 self.index.unpin(pack_ids([hold.pins.pop(pos)]))
 
@@ -354,12 +353,11 @@ class PoolManager:
         for pos, good in zip(sorted(plan.own_blocks), ok):
             b = plan.own_blocks[pos]
             parent = idx.find(chain_key(chain, pos - 1)) if pos else -1
-            self._session_staged -= 1
             if good and (pos == 0 or parent >= 0):
-                self._publish_key(chain_key(chain, pos), b, parent)
+                self._own_published(chain_key(chain, pos), b, parent)
                 published += 1
             else:
-                self._unstage_key(chain_key(chain, pos), b)
+                self._own_freed(chain_key(chain, pos), b)
                 dropped += 1
         plan.own_blocks.clear()
         return published, dropped
@@ -408,6 +406,16 @@ class PoolManager:
         if self.result_of(request, sid) is not None:
             del self.results[request]
 
+    def _own_published(self, key: bytes, block: int, parent: int) -> None:
+        """A session's staged block (its data landed) becomes resident."""
+        self._session_staged -= 1
+        self._publish_key(key, block, parent)
+
+    def _own_freed(self, key: bytes, block: int) -> None:
+        """A session's staged block goes back to FREE unpublished."""
+        self._session_staged -= 1
+        self._unstage_key(key, block)
+
     def _detach(self, plan: ChunkPlan) -> None:
         plan.attached = False
         plan.hold.plans.pop(plan.chunk, None)
@@ -415,8 +423,7 @@ class PoolManager:
     def _free_own(self, plan: ChunkPlan) -> None:
         chain = plan.hold.chain
         for pos, b in plan.own_blocks.items():
-            self._unstage_key(chain_key(chain, pos), b)
-            self._session_staged -= 1
+            self._own_freed(chain_key(chain, pos), b)
         plan.own_blocks.clear()
 
     def _unpin_resident(self, plan: ChunkPlan, published: int) -> None:

@@ -1,7 +1,8 @@
 """KV ops on the control thread: lookup, held GET, release, store → commit.
 
-All state (pool, index, leases, staging, decisions) is owned here and touched only
-from the control thread.  Group-consistent decisions (DESIGN §6) apply when a
+The pool's block state (index, leases, staging, the pool manager: ``kvsidecar.sidecar.kv.state``) is
+shared with L3 ops and changed only through ``kv/``; the decisions are owned here; all of it is
+touched only from the control thread.  Group-consistent decisions (DESIGN §6) apply when a
 request carries ``req`` and ``step``: the first rank's answer is replayed to the others.
 """
 
