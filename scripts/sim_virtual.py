@@ -38,7 +38,7 @@ from kvsidecar.sidecar.kv.index import KEY, unpack_ids
 from kvsidecar.sidecar.kv.ops import KVCore
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel
 from kvsidecar.sidecar.l3.tier import ReadOutlook, ReadResult
-from kvsidecar.sidecar.prefetch.executor import SessionManager
+from kvsidecar.sidecar.prefetch.sessions import SessionManager
 from kvsidecar.sidecar.runtime.clients import ClientInfo
 from kvsidecar.sidecar.service import OpError
 
@@ -278,8 +278,6 @@ class Engine:
                               retained_ttl_s=30.0, prefill_s_per_block=p.compute_s_per_block,
                               load_s_per_block=p.copy_s_per_block)
         self.sm = SessionManager(self.core, self.l3, sess, clock=self.loop.clock)
-        self.core.connect(after_get=self.sm.handoff)
-        self.core.index.watch_staging(self.sm.key_resolved)
         self.group = f"vsim-{arm}"
         self.ranks = [_Conn(self.group, r, p.tp, r) for r in range(p.tp)]
         for c in self.ranks:

@@ -28,11 +28,12 @@ from kvsidecar.shm.segment import Segment, segment_exists, unlink_segment
 
 from kvsidecar.sidecar.config import SidecarConfig, load_config
 from kvsidecar.sidecar.kv.ops import KVCore
+from kvsidecar.sidecar.kv.state import KVState
 from kvsidecar.sidecar.l3.base import L3Error
 from kvsidecar.sidecar.l3.tier import L3Tier
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel
 from kvsidecar.sidecar.l3.ops import L3Ops
-from kvsidecar.sidecar.prefetch.executor import SessionManager
+from kvsidecar.sidecar.prefetch.sessions import SessionManager
 from kvsidecar.sidecar.observe.metrics import MetricsError, MetricsService
 from kvsidecar.sidecar.observe.outcome import Observers
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
@@ -68,7 +69,7 @@ def _previous_generation(name: str) -> int:
         seg.close()
 
 
-class SidecarHost:
+class SidecarApp:
     """Owns the segments of one sidecar and the :class:`Sidecar` loop over them."""
 
     def __init__(self, cfg: SidecarConfig, stop: threading.Event | None = None):
@@ -104,36 +105,38 @@ class SidecarHost:
             self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
             # a killed client is seen before its address space is torn down (kvsidecar.shm.deathword)
             self.sidecar.liveness.set_death_words(lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
-            # the composition root: build the services, wire them to each other once, mount them
-            self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits,
-                               checksums=cfg.integrity.checksums)
+            # The composition root: every edge between the services is a constructor argument
+            # here.  The block state first (kv/), then what shares it (the L3 tier reads the
+            # checksums, L3Ops stages restores and pins write-behind PUTs), then the KV ops (a
+            # published store is followed by L3 write-behind), then the sessions (they claim
+            # through the pool manager, which also hands their results off to a GET).
             if not cfg.integrity.checksums:
                 log.warning("integrity.checksums = false: no block is verified (stores, GETs and L3 reads)")
+            kv = KVState.build(layout, cfg.pool.num_blocks, cfg.limits, checksums=cfg.integrity.checksums)
             l3ops = None
             backend = build_backend(cfg, self)
             if backend is not None:
                 backend.register_pool(self.pool_segment.address, self.pool_segment.size)
-                if self.core.sums is not None:  # each L3 object carries its block's checksum row
-                    backend.register_pool(self.core.sums.address, self.core.sums.size)
+                if kv.sums is not None:  # each L3 object carries its block's checksum row
+                    backend.register_pool(kv.sums.address, kv.sums.size)
                 prior = ReadCostModel(cfg.l3.cost_prior_latency_ms / 1e3,
                                       layout.block_bytes / (cfg.l3.cost_prior_mb_per_s * 1e6))
                 # L3 reads land through this process's mapping: populated after ready (_announce)
                 self.populator = sidecar_populator(cfg, self.pool_segment, l3_on=True)
                 self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
-                                   cost_model=prior, sums=self.core.sums, read_lanes=cfg.l3.read_lanes,
+                                   cost_model=prior, sums=kv.sums, read_lanes=cfg.l3.read_lanes,
                                    landing=self.populator)
-                l3ops = L3Ops(self.core, self.tier, cfg.l3.max_put_backlog_blocks)
+                l3ops = L3Ops(self.sidecar, kv, self.tier, cfg.l3.max_put_backlog_blocks)
+            self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits, state=kv,
+                               after_publish=l3ops.write_behind if l3ops is not None else None)
             if cfg.metrics.enabled:  # off by default (kvsidecar.sidecar.observe.metrics)
                 self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,
                                               l3ops=l3ops, generation=self.generation)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
                                            observer=Observers(SessionLog(), self.metrics))
-            if self.metrics is not None:
+            if self.metrics is not None:  # (the one edge left: metrics observes the sessions it reads)
                 self.metrics.connect(sessions=self.sessions)
-            self.core.connect(after_publish=l3ops.write_behind if l3ops is not None else None,
-                              after_get=self.sessions.handoff)
-            self.core.index.watch_staging(self.sessions.key_resolved)
             tables = StatusTables(self.sidecar, self.core, self.sessions)
             for service in (self.core, l3ops, self.sessions, tables, self.metrics):
                 if service is not None:
@@ -228,7 +231,7 @@ def _rss_summary() -> str:
         return "rss unknown"
 
 
-def build_backend(cfg: SidecarConfig, host: "SidecarHost"):
+def build_backend(cfg: SidecarConfig, host: "SidecarApp"):
     """The configured L3 backend (wrapped for shaping/faults when asked), or None."""
     from kvsidecar.sidecar.l3.filestore import FileStore
     from kvsidecar.sidecar.l3.shaped import ShapedBackend
@@ -321,7 +324,7 @@ def main(argv=None) -> int:
     # Installed before the segments exist: a signal during start-up (a large pool takes a
     # while to allocate) interrupts it between chunks, and what was created is unlinked.
     stop = threading.Event()
-    started: list[SidecarHost] = []
+    started: list[SidecarApp] = []
 
     def on_signal(signum, _frame):
         if started:
@@ -332,7 +335,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        host = SidecarHost(cfg, stop=stop)
+        host = SidecarApp(cfg, stop=stop)
     except StartupInterrupted:
         log.info("sidecar %s: start-up interrupted by a signal; segments unlinked", cfg.instance)
         return 0

@@ -217,3 +217,60 @@ def test_random_operations_keep_every_invariant(ops):
             full = chain(f"c{w}", 6)
             m = index.match(full)
             assert all(index.find(full[i * 16:(i + 1) * 16]) < 0 for i in range(m + 1, 6))
+
+
+def books(pool, index, leases, staging):
+    """Every pin is held by a lease or a session hold, every staged block by a plan or a staging."""
+    pins = leases.pins_per_block() + pool.pins_per_block()
+    assert all(index.refcount(b) == pins.get(b, 0) for b in range(index.num_blocks))
+    assert pool.staged_blocks() + staging.staged_blocks() == index.staged == len(index.staging)
+    assert pool.check() == "" and index.check() == ""
+
+
+def test_session_claim_classifies_stages_and_resolves_awaited_blocks():
+    from kvsidecar.sidecar.kv.chunks import ChunkKind
+
+    pool, index, leases, staging = make(8)
+    ch = chain("s", 4)
+    pool.complete(stage(pool, ch, limit=1), [True])  # position 0 resident
+    other = staging.open(stage(pool, ch[2 * 16:3 * 16]), group="g", writers={0}, ttl_s=None, now=0)
+    # (another writer, an engine store, stages position 2's key)
+    hold = pool.open_hold(7, ch, 1)
+    assert hold.pins == {0: index.find(key("s", 0))} and index.pinned == 1
+    woken = []
+    plan = pool.claim(hold, 0, 1, 3, on_shared=woken.append)
+    assert plan.kinds == (ChunkKind.OWN, ChunkKind.SHARED, ChunkKind.OWN) and sorted(plan.own_blocks) == [1, 3]
+    assert plan.shared_ok == {2: None} and not plan.resolved and pool.awaited(plan) is False
+    assert pool.staged_blocks() == 2
+    books(pool, index, leases, staging)
+    staging.commit(other, 0)  # its writer published it: the waiter is woken, the block pinned for it
+    assert woken == [plan] and plan.shared_ok == {2: True} and 2 in hold.pins
+    plan.landed([True, True])
+    assert plan.resolved and plan.outcome() == (True, True, True)
+    assert pool.publish(plan, 3) == 2 and not plan.attached and index.match(ch) == 4
+    books(pool, index, leases, staging)
+    lease = pool.finish(hold, 4, ("g", "r", 0), retain=True, ttl_s=5, now=0)
+    assert lease.count == 4 and pool.result_of(("g", "r", 0), 7) is lease and pool.holds == {}
+    assert pool.hand_off(("g", "r", 0)) and not pool.hand_off(("g", "r", 0)) and pool.handoffs == 1
+    assert index.pinned == 0
+    books(pool, index, leases, staging)
+
+
+def test_session_claim_stops_short_at_a_limit_and_orphans_resolve():
+    index = PrefixIndex(8, 100)
+    leases = LeaseTable(index)
+    pool = PoolManager(index, leases, reserved_limit_bytes=300, pinned_limit_bytes=800)
+    staging = StagingTable(pool)
+    ch = chain("t", 6)
+    hold = pool.open_hold(1, ch, 0)
+    plan = pool.claim(hold, 0, 0, 6, on_shared=None)
+    assert plan.count == 3 and pool.refusals == {"reserved": 1}  # 3 blocks of staging room
+    r = pool.claim(hold, 1, 3, 3, on_shared=None)
+    assert isinstance(r, Refusal) and r.resource == "reserved" and 1 not in hold.plans
+    pool.leave_behind(plan, 0)  # the read is still in flight: its blocks stay STAGING as an orphan
+    assert (1, 0) in pool.orphans and index.staged == 3
+    books(pool, index, leases, staging)
+    assert pool.resolve_orphan((1, 0), [True, False, True]) == (1, 2)  # 2 has no resident parent
+    assert pool.resolve_orphan((1, 0), [True]) is None and index.match(ch) == 1 and index.staged == 0
+    assert pool.finish(hold, 0, ("g", "t", 0), retain=True, ttl_s=5, now=0) is None
+    books(pool, index, leases, staging)

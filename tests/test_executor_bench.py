@@ -25,7 +25,7 @@ from kvsidecar.sidecar.kv.index import KEY, unpack_ids
 from kvsidecar.sidecar.l3.cost_model import ReadEstimate
 from kvsidecar.sidecar.l3.tier import QUEUED, ReadOutlook, ReadResult, read_priority
 from kvsidecar.sidecar.service import OpError
-from kvsidecar.sidecar.prefetch.executor import SessionManager
+from kvsidecar.sidecar.prefetch.sessions import SessionManager
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4, tp_size=1)
 
@@ -185,8 +185,6 @@ class Bench:
         self.holds: set = set()
         self.tier = Tier(self.loop, self.holds)
         self.sm = SessionManager(self.core, self.tier, self.cfg, clock=self.clock)
-        self.core.connect(after_get=self.sm.handoff)
-        self.core.index.watch_staging(self.sm.key_resolved)
         self.conn = Conn()
         self.loop.clients[0] = self.conn
 
@@ -365,7 +363,7 @@ def test_capacity_stop_under_the_pinned_limit_does_not_deadlock():
     b.tier.answer_lookups()
     b.tier.run_all()
     p = terminal(b, "r")
-    assert (p["status"], p["reason"]) == ("failed", "limit") and p["prefix"] == 6
+    assert (p["status"], p["reason"]) == ("limit", "limit") and p["prefix"] == 6
     assert b.core.pool.refusals["pinned"] >= 1
     assert b.take("r", c) == 6 and b.books()["pinned"] == 0
 
@@ -378,7 +376,7 @@ def test_capacity_stop_under_the_reserved_limit():
     assert sum(len(r.keys) // KEY for r in b.tier.reads) == 3
     b.tier.run_all()
     p = terminal(b, "r")
-    assert p["reason"] == "limit" and p["prefix"] == 3 and b.core.pool.refusals["reserved"] >= 1
+    assert (p["status"], p["reason"]) == ("limit", "limit") and p["prefix"] == 3 and b.core.pool.refusals["reserved"] >= 1
 
 
 def test_allocator_stop_when_everything_is_pinned():

@@ -121,3 +121,68 @@ def test_the_checker_allows_the_contract():
     assert not violations("kvsidecar.shm.ring", imports_of("from kvsidecar._native import atomics", "kvsidecar.shm.ring"))
     assert not violations("tests.test_x", imports_of("from kvsidecar.sidecar.spawn import SidecarProcess\n"
                                                      "from kvsidecar.connector.client import C", "tests.test_x"))
+
+
+# -- block state has one owner: kv/ ----------------------------------------------------------------
+# What changes the pool's block state on the prefix index (kvsidecar.sidecar.kv.index.PrefixIndex and
+# its native BlockIndex).  Outside sidecar/kv/ the index is read (match, find, resident_ids, counts)
+# and changed only through the pool manager, the lease and staging tables (kv/).
+INDEX_MUTATORS = {"pin", "unpin", "publish", "stage", "drop_staging", "release_staging", "alloc", "evict",
+                  "touch"}
+
+
+def index_mutations(source: str) -> list[str]:
+    """Calls that change block state on an index in ``source``: ``<x>.index.<mutator>(...)``, a
+    mutator on a name bound to ``<x>.index`` (``idx = self.index``) or named ``index`` / ``idx``,
+    any use of the index's ``native`` table, and importing the native block index."""
+    tree = ast.parse(source)
+    aliases = {"index", "idx"}
+    for node in ast.walk(tree):  # names bound to an index
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "index":
+            aliases.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            for t, v in zip(getattr(node.targets[0], "elts", ()), node.value.elts):
+                if isinstance(t, ast.Name) and isinstance(v, ast.Attribute) and v.attr == "index":
+                    aliases.add(t.id)
+
+    def is_index(expr) -> bool:
+        return (isinstance(expr, ast.Attribute) and expr.attr == "index") or \
+            (isinstance(expr, ast.Name) and expr.id in aliases)
+
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in INDEX_MUTATORS and is_index(node.func.value):
+            bad.append(f"line {node.lineno}: {ast.unparse(node.func)}(...)")
+        elif isinstance(node, ast.Attribute) and node.attr == "native" and is_index(node.value):
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_native.blockindex"):
+            bad.append(f"line {node.lineno}: imports {node.module}")
+    return bad
+
+
+def test_no_index_mutation_outside_kv():
+    """Every block-state change (FREE/STAGING/RESIDENT, pins) happens in sidecar/kv/: the executor,
+    L3 ops, observers and the loop call the pool manager instead."""
+    outside = [p for p in sorted((ROOT / "sidecar").rglob("*.py")) if "kv" not in p.relative_to(ROOT / "sidecar").parts]
+    assert any(p.name == "executor.py" for p in outside) and any(p.name == "ops.py" for p in outside)
+    bad = [f"{p.relative_to(ROOT)} {hit}" for p in outside for hit in index_mutations(p.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", [
+    "self.index.pin(ids)",
+    "def f(self):\n    idx = self.index\n    idx.publish(k, b, p)",
+    "def f(self):\n    idx, pool = self.index, self.core.pool\n    idx.stage(k, b)",
+    "self.core.index.evict(3)",
+    "self.core.index.native.publish(k, b, p)",
+    "from kvsidecar._native.blockindex import BlockIndex",
+])
+def test_the_index_checker_catches(source):
+    assert index_mutations(source), source
+
+
+def test_the_index_checker_allows_reads():
+    assert not index_mutations("n = self.index.match(chain)\nb = self.core.index.find(k)\n"
+                               "ids = self.index.resident_ids(chain, n)\nself.pool.publish(plan, 3)\n"
+                               "self.core.leases.new(blocks, ttl_s=1, now=0, kind='x')")

@@ -14,9 +14,14 @@ from kvsidecar.sidecar.prefetch.machine import (
     ChunkAbandoned,
     ChunkDone,
     ChunkWithdrawn,
-    ClaimGranted,
+    ClaimShort,
     Demand,
+    EVENTS,
+    IGNORED,
+    LEGAL,
+    TRANSITIONS,
     IllegalEvent,
+    IllegalTransition,
     QueryDone,
     Start,
     Tick,
@@ -219,10 +224,10 @@ def test_limit_shrinks_claim_and_stops():
     s = mk(total=12, chunk=4, window=2)
     s.handle(Start(0))
     s.handle(QueryDone(12, 0))
-    a = s.handle(ClaimGranted(1, 2, 0))
-    assert s.sealed and s.reason == "limit" and not claims(a)
+    a = s.handle(ClaimShort(1, 2, 0))
+    assert s.sealed and (s.status, s.reason) == (Status.LIMIT, "limit") and s.keep_admitted and not claims(a)
     out = s.handle(ChunkDone(0, [True] * 4, 1)) + s.handle(ChunkDone(1, [True] * 2, 1))
-    assert finish(out) == Finish(Status.FAILED, 6, "limit")
+    assert finish(out) == Finish(Status.LIMIT, 6, "limit")
 
 
 def test_checkpoints_bound_the_published_prefix():
@@ -319,7 +324,7 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
             pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
             if pending:
                 cid = pending[-1]
-                apply(s.handle(ClaimGranted(cid, rng.randint(0, in_flight[cid][1] - 1), now)))
+                apply(s.handle(ClaimShort(cid, rng.randint(0, in_flight[cid][1] - 1), now)))
                 if cid not in s.chunks:
                     del in_flight[cid]
                 else:
@@ -356,7 +361,7 @@ def test_illegal_events_raise_and_late_ones_are_ignored():
     with pytest.raises(IllegalEvent):
         s.handle(ChunkDone(0, (True,) * 3, 0))  # wrong length
     with pytest.raises(IllegalEvent):
-        s.handle(ClaimGranted(0, 4, 0))  # granting all of it is not a shrink
+        s.handle(ClaimShort(0, 4, 0))  # granting all of it is not a shrink
     with pytest.raises(IllegalEvent):
         s.handle(ChunkAbandoned(0, 0))  # not sealed
     with pytest.raises(IllegalEvent):
@@ -386,3 +391,73 @@ def test_abandoned_chunk_is_cut_from_the_result_like_a_withdrawn_one():
     f = finish(out)
     assert f == Finish(Status.TIMEOUT, 0, "deadline")
     assert [d for d in out if isinstance(d, Drop)] == [Drop(1, 0)]  # chunk 1 cannot publish past the hole
+
+
+# The legal (state, event) pairs, written out: L handled, i ignored (late, after the end), . illegal.
+#            Start QueryDone ClaimShort ChunkDone Withdrawn Abandoned Demand Replan Tick Abort
+EXPECTED_TABLE = {
+    State.CREATED:  "L . . . . . L L L L",
+    State.QUERYING: ". L . . . . L L L L",
+    State.RUNNING:  ". . L L . . L L L L",
+    State.DRAINING: ". . L L L L L L L L",
+    State.TERMINAL: "i i . i . . i i i i",
+}
+
+
+def session_in(state: State) -> Session:
+    """A timeout session (8 blocks, chunks of 4, window 1) driven into ``state``; from RUNNING
+    on, chunk 0 (4 blocks) is in flight."""
+    s = mk(total=8, chunk=4, window=1)
+    if state == State.CREATED:
+        return s
+    s.handle(Start(0))
+    if state == State.TERMINAL:
+        s.handle(Abort(0))  # nothing in flight: it ends at once
+    elif state != State.QUERYING:
+        s.handle(QueryDone(8, 0))
+        if state == State.DRAINING:
+            s.handle(Abort(0))  # sealed with chunk 0 in flight
+    assert s.state == state
+    return s
+
+
+def event_of(kind):
+    """One well-formed event of each type (for chunk 0 of :func:`session_in`)."""
+    return {Start: Start(0), QueryDone: QueryDone(8, 0), ClaimShort: ClaimShort(0, 1, 0),
+            ChunkDone: ChunkDone(0, (True,) * 4, 0), ChunkWithdrawn: ChunkWithdrawn(0, 0),
+            ChunkAbandoned: ChunkAbandoned(0, 0), Demand: Demand(0), Replan: Replan(0, None), Tick: Tick(0),
+            Abort: Abort(0)}[kind]
+
+
+def test_transition_table_is_the_documented_one():
+    expected = {(state, kind): {"L": LEGAL, "i": IGNORED}[mark]
+                for state, row in EXPECTED_TABLE.items() for kind, mark in zip(EVENTS, row.split()) if mark != "."}
+    assert TRANSITIONS == expected
+    assert set(EXPECTED_TABLE) == set(State) and len(EVENTS) == len(set(EVENTS)) == 10
+
+
+@pytest.mark.parametrize("state", list(State), ids=lambda s: s.value)
+@pytest.mark.parametrize("kind", EVENTS, ids=lambda k: k.__name__)
+def test_every_state_event_pair(state, kind):
+    """Every (state, event) pair: a legal one is handled, an ignored one changes nothing, any
+    other raises the typed IllegalTransition naming the state."""
+    s = session_in(state)
+    event = event_of(kind)
+    rule = TRANSITIONS.get((state, kind))
+    if rule is None:
+        with pytest.raises(IllegalTransition) as exc:
+            s.handle(event)
+        assert exc.value.state == state and exc.value.event is event and isinstance(exc.value, IllegalEvent)
+        assert s.state == state  # nothing changed
+    elif rule is IGNORED:
+        before = (s.state, s.status, s.published, dict(s.chunks))
+        assert s.handle(event) == []
+        assert (s.state, s.status, s.published, dict(s.chunks)) == before
+    else:
+        s.handle(event)  # handled: it may move on, it never raises
+        if kind is Start:
+            assert s.state == State.QUERYING
+        elif kind is QueryDone:
+            assert s.state == State.RUNNING and s.target == 8
+        elif kind is Abort:
+            assert s.status == Status.ABORTED

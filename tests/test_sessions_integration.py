@@ -178,7 +178,7 @@ def test_limits_stop_claiming_and_end_with_what_it_has(sidecar_factory, instance
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
         p = wait_terminal(c, "r")
-        assert p["reason"] == "limit" and 0 < p["prefix"] <= 20
+        assert (p["status"], p["reason"]) == ("limit", "limit") and 0 < p["prefix"] <= 20  # healthy, not failed
         assert get_and_check(c, l3_filled, "r", kv) == p["prefix"]
         s = books(c)
         assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0

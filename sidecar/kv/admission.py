@@ -13,9 +13,25 @@ session's chunk — goes through :class:`PoolManager`, in the spirit of vLLM's
 * :meth:`PoolManager.abandon` ``(plan)`` frees every block unpublished.
 
 Exactly one of complete / abandon ends a plan, and never while a read may still write into its
-blocks (the caller's contract: drain first).  Prefetch sessions stage non-contiguous positions
-of a chunk and publish through their own machine; they use the same limits through
-:meth:`headroom` and the same allocation through :meth:`allocate`.
+blocks (the caller's contract: drain first).
+
+Prefetch sessions stage non-contiguous positions of a chunk and publish in the order their
+machine decides; the manager owns that block state too (``kvsidecar.sidecar.kv.chunks``), and the
+executor only turns the machine's actions into these calls, L3 jobs and replies:
+
+* :meth:`open_hold` pins the resident prefix a session starts from;
+* :meth:`claim` classifies a chunk's positions (:class:`ChunkKind`) and stages its own blocks
+  within the limits → a :class:`ChunkPlan` (possibly shorter than asked) or a :class:`Refusal`;
+  awaited positions resolve when their writer publishes or drops them (in-flight de-dup);
+* :meth:`publish` / :meth:`drop` (from a position) once the read ended; :meth:`withdraw` a read
+  that never started; :meth:`hand_over` a queued read other sessions await, or
+  :meth:`leave_behind` one still in flight (both become orphans: their blocks stay STAGING until
+  :meth:`resolve_orphan` publishes what landed or frees it);
+* :meth:`finish` moves the result prefix into a prefetch lease, which the request's GET
+  :meth:`hand_off` drops once it took its own reference.
+
+Every publish or drop of a staged key goes through here, so the manager wakes the sessions that
+await it without being told by the index.
 
 The limits, computed only here (``*_limit`` bytes over ``block_bytes``):
 
@@ -33,13 +49,15 @@ import dataclasses
 from kvsidecar.shm.errors import ErrorCode
 
 from kvsidecar.shm.chain import count as id_count, key as chain_key, length as chain_len, span as chain_span
-from kvsidecar.sidecar.kv.index import PrefixIndex, unpack_ids
+from kvsidecar.sidecar.kv.chunks import OWN, RESIDENT, SHARED, ChunkKind, ChunkPlan, SessionHold  # noqa: F401
+from kvsidecar.sidecar.kv.index import PrefixIndex, pack_ids, unpack_ids
 from kvsidecar.sidecar.kv.leases import Lease, LeaseTable
 
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Nothing was staged.  ``resource``: "reserved" | "allocator" (every block pinned or staging)."""
+    """Nothing was staged.  ``resource``: "reserved" | "pinned" | "allocator" (every block pinned
+    or staging)."""
 
     resource: str
     message: str
@@ -69,6 +87,15 @@ class PoolManager:
         self.reserved_limit_blocks = reserved_limit_bytes // index.block_bytes
         self.pinned_limit_blocks = pinned_limit_bytes // index.block_bytes
         self.refusals: collections.Counter = collections.Counter()  # by resource
+        # prefetch sessions' block state (see the module docstring)
+        self.holds: dict[int, SessionHold] = {}  # session id -> its pins and attached plans
+        self.waiters: dict[bytes, list] = collections.defaultdict(list)  # staged key -> [(plan, pos)]
+        self.orphans: dict[tuple, ChunkPlan] = {}  # (session, chunk) -> a read nobody waits for
+        self.results: dict[tuple, Lease] = {}  # request -> its session's result (prefetch) lease
+        self.handoffs = 0  # results dropped by their request's GET
+        # blocks in sessions' plans and orphans (pinned once published): changed only where such a
+        # block enters STAGING (claim) or leaves it (_own_published, _own_freed); check() recounts
+        self._session_staged = 0
 
     # -- limits --------------------------------------------------------------------------------
     def headroom(self, pin_reserved: int = 0) -> tuple[int, int]:
@@ -139,10 +166,10 @@ class PoolManager:
         for i, b in enumerate(unpack_ids(plan.blocks)):
             key = chain_key(plan.chain, i)
             if i < n:
-                idx.publish(key, b, parent)
+                self._publish_key(key, b, parent)
                 parent = b
             else:
-                idx.drop_staging(key, b)
+                self._unstage_key(key, b)
         self._end(plan, "done")
         return n
 
@@ -150,9 +177,8 @@ class PoolManager:
         """Free every block of the plan unpublished (its data never landed, or must not be used)."""
         if plan.ended:
             raise ValueError("stage plan already ended")
-        idx = self.index
         for i, b in enumerate(unpack_ids(plan.blocks)):
-            idx.drop_staging(chain_key(plan.chain, i), b)
+            self._unstage_key(chain_key(plan.chain, i), b)
         self._end(plan, reason)
 
     def _end(self, plan: StagePlan, reason: str) -> None:
@@ -160,3 +186,266 @@ class PoolManager:
         if plan.prefix_lease is not None:
             self.leases.drop(plan.prefix_lease, f"{plan.purpose}_{reason}")
             plan.prefix_lease = None
+
+    # -- staged keys: every publish / drop goes through here (it wakes the key's waiters) -------
+    def _publish_key(self, key: bytes, block: int, parent: int) -> None:
+        if self.index.publish(key, block, parent) and key in self.waiters:
+            self._resolved(key, True)
+
+    def _unstage_key(self, key: bytes, block: int) -> None:
+        if self.index.drop_staging(key, block) and key in self.waiters:
+            self._resolved(key, False)
+
+    def _resolved(self, key: bytes, published: bool) -> None:
+        """A staged key was published or dropped (by whichever writer): resolve its waiters.
+        A published block is pinned for each waiter at once: it must still be there when the
+        waiter publishes past it."""
+        for plan, pos in self.waiters.pop(key, ()):
+            if not plan.attached:
+                continue  # its session stopped counting on the chunk meanwhile
+            if published:
+                b = self.index.find(key)
+                self.index.pin(pack_ids([b]))
+                plan.hold.pins[pos] = b
+            plan.shared_ok[pos] = published
+            plan.on_shared(plan)
+
+    # -- prefetch sessions ------------------------------------------------------------------------
+    def open_hold(self, sid: int, chain: bytes, resident: int) -> SessionHold:
+        """A session over ``chain`` starts: pin its resident prefix ``[0, resident)`` (it must not
+        shrink while the session runs)."""
+        hold = SessionHold(sid, chain)
+        if resident:
+            ids = self.index.resident_ids(chain, resident)
+            self.index.pin(ids)
+            hold.pins.update(enumerate(unpack_ids(ids)))
+        self.holds[sid] = hold
+        return hold
+
+    def claim(self, hold: SessionHold, chunk: int, start: int, count: int, on_shared) -> ChunkPlan | Refusal:
+        """Claim positions ``[start, start + count)`` of the session's chain: resident ones are
+        pinned, ones another writer stages are awaited (``on_shared(plan)`` when one resolves),
+        the rest are staged for our read.  Staging stays within ``reserved_bytes_limit``, and
+        pinned + sessions' staging within ``pinned_bytes_limit``; at the first position over a
+        limit (or when the allocator cannot make room) the plan stops short.  A plan of no
+        position is a :class:`Refusal` (the last limit hit)."""
+        idx = self.index
+        # sessions' staged blocks become pins once published: pin admission counts them already
+        reserved_room, pinned_room = self.headroom(pin_reserved=self._session_staged)
+        kinds, own_positions = [], []
+        refusal = None
+        for pos in range(start, start + count):
+            key = chain_key(hold.chain, pos)
+            b = idx.find(key)
+            if b >= 0:
+                kind, need = RESIDENT, 1 if idx.refcount(b) == 0 else 0
+            elif key in idx.staging:
+                kind, need = SHARED, 0
+            else:
+                kind, need = OWN, 1
+            if kind is OWN and len(own_positions) + 1 > reserved_room:
+                refusal = self.refuse("reserved", "session claim over reserved_bytes_limit")
+                break
+            if len(own_positions) + need > pinned_room:
+                refusal = self.refuse("pinned", "session claim over pinned_bytes_limit")
+                break
+            if kind is OWN:
+                own_positions.append(pos)
+            kinds.append(kind)
+        blocks = list(unpack_ids(self.allocate(len(own_positions)))) if own_positions else []
+        if len(blocks) < len(own_positions):  # cannot make room: everything else is pinned or staging
+            refusal = self.refuse("allocator", "session claim: pool full")
+            kinds = kinds[:min(len(kinds), own_positions[len(blocks)] - start)]
+            own_positions = own_positions[:len(blocks)]
+        if not kinds:
+            return refusal
+        plan = ChunkPlan(hold, chunk, start, len(kinds), tuple(kinds), {}, {}, on_shared=on_shared)
+        for pos, b in zip(own_positions, blocks):
+            plan.own_blocks[pos] = b
+            idx.stage(chain_key(hold.chain, pos), b)
+        self._session_staged += len(blocks)
+        for off, kind in enumerate(kinds):
+            pos = start + off
+            if kind is RESIDENT:
+                b = idx.find(chain_key(hold.chain, pos))
+                idx.pin(pack_ids([b]))
+                hold.pins[pos] = b
+            elif kind is SHARED:
+                plan.shared_ok[pos] = None
+                self.waiters[chain_key(hold.chain, pos)].append((plan, pos))
+        if not own_positions:
+            plan.read_ok = {}
+        hold.plans[chunk] = plan
+        return plan
+
+    def awaited(self, plan: ChunkPlan) -> bool:
+        """Whether other sessions wait on blocks this plan stages."""
+        chain = plan.hold.chain
+        return any(chain_key(chain, pos) in self.waiters for pos in plan.own_blocks)
+
+    def publish(self, plan: ChunkPlan, count: int) -> int:
+        """The plan's first ``count`` positions landed and their predecessors are published: our
+        blocks among them become resident (each parent is pinned by the session) and stay
+        pinned.  Returns how many of ours were published."""
+        hold = plan.hold
+        n = 0
+        for pos in range(plan.start, plan.start + count):
+            b = plan.own_blocks.pop(pos, None)
+            if b is not None:
+                self._own_published(chain_key(hold.chain, pos), b, hold.pins[pos - 1] if pos else -1)
+                self.index.pin(pack_ids([b]))
+                hold.pins[pos] = b
+                n += 1
+        if count == plan.count:
+            self._detach(plan)
+        return n
+
+    def drop(self, plan: ChunkPlan, offset: int, published: int) -> None:
+        """Release the plan from ``offset`` on (its read ended: failed, or beyond a cut): our
+        blocks go back to FREE, pins beyond the session's published prefix are dropped."""
+        self._detach(plan)
+        hold = plan.hold
+        for pos in range(plan.start + offset, plan.start + plan.count):
+            b = plan.own_blocks.pop(pos, None)
+            if b is not None:
+                self._own_freed(chain_key(hold.chain, pos), b)
+            elif pos in hold.pins and pos >= published:
+                self.index.unpin(pack_ids([hold.pins.pop(pos)]))
+
+    def withdraw(self, plan: ChunkPlan, published: int) -> int:
+        """A read that never started (cancelled in the sender queue): free our blocks, drop the
+        plan's pins.  Returns how many blocks were withdrawn."""
+        n = len(plan.own_blocks)
+        self._free_own(plan)
+        self._unpin_resident(plan, published)
+        self._detach(plan)
+        return n
+
+    def hand_over(self, plan: ChunkPlan, published: int) -> None:
+        """A queued read other sessions await goes on for them: the session lets go of the plan's
+        pins, and the read's blocks become an orphan (published when its data lands, which
+        resolves the waiters)."""
+        self._unpin_resident(plan, published)
+        self._detach(plan)
+        self.orphans[(plan.hold.id, plan.chunk)] = plan
+
+    def leave_behind(self, plan: ChunkPlan, published: int) -> bool:
+        """The session stops waiting for a plan still in flight (the drain budget ran out).  Its
+        resident pins go; a read still in flight keeps its blocks as an orphan (True); if only an
+        awaited block is late, our blocks are freed now (False)."""
+        self._unpin_resident(plan, published)
+        self._detach(plan)
+        if plan.read_ok is None and plan.own_blocks:
+            self.orphans[(plan.hold.id, plan.chunk)] = plan
+            return True
+        self._free_own(plan)
+        return False
+
+    def resolve_orphan(self, key: tuple, ok) -> tuple | None:
+        """The read of orphan ``key`` ((session, chunk)) ended: publish what landed in chain order
+        (while each parent is still resident), free the rest.  Returns (published, dropped), or
+        None when ``key`` is no orphan."""
+        plan = self.orphans.pop(key, None)
+        if plan is None:
+            return None
+        idx, chain = self.index, plan.hold.chain
+        published = dropped = 0
+        for pos, good in zip(sorted(plan.own_blocks), ok):
+            b = plan.own_blocks[pos]
+            parent = idx.find(chain_key(chain, pos - 1)) if pos else -1
+            if good and (pos == 0 or parent >= 0):
+                self._own_published(chain_key(chain, pos), b, parent)
+                published += 1
+            else:
+                self._own_freed(chain_key(chain, pos), b)
+                dropped += 1
+        plan.own_blocks.clear()
+        return published, dropped
+
+    def finish(self, hold: SessionHold, prefix: int, request, *, retain: bool, ttl_s: float,
+               now: float) -> Lease | None:
+        """The session ended with the prefix ``[0, prefix)``: with ``retain``, its pins move into a
+        prefetch lease kept for ``request``'s GET (:meth:`hand_off`); every other pin is dropped."""
+        del self.holds[hold.id]
+        prefix_ids = [hold.pins.pop(p) for p in range(prefix)]
+        rest = list(hold.pins.values())
+        hold.pins.clear()
+        if rest:
+            self.index.unpin(pack_ids(rest))
+        if prefix_ids and retain:
+            lease = self.leases.adopt(pack_ids(prefix_ids), ttl_s=ttl_s, now=now, kind="prefetch",
+                                      owner=("session", hold.id))
+            self.results[request] = lease
+            return lease
+        if prefix_ids:
+            self.index.unpin(pack_ids(prefix_ids))
+        return None
+
+    def result_of(self, request, sid: int) -> Lease | None:
+        """Session ``sid``'s result lease, while it is kept for ``request``."""
+        lease = self.results.get(request)
+        return lease if lease is not None and lease.owner == ("session", sid) else None
+
+    def hand_off(self, request) -> bool:
+        """``request``'s GET took its own reference: its prefetch result is no longer needed."""
+        lease = self.results.pop(request, None)
+        if lease is None:
+            return False
+        self.leases.drop(lease, "handed_off")
+        self.handoffs += 1
+        return True
+
+    def drop_result(self, request, sid: int, reason: str) -> None:
+        """Session ``sid``'s result is not needed (the request left, its group is gone)."""
+        if self.result_of(request, sid) is not None:
+            self.leases.drop(self.results.pop(request), reason)
+
+    def forget_result(self, request, sid: int) -> None:
+        """Session ``sid`` is forgotten: its request no longer finds a result (the lease itself
+        ends by its TTL)."""
+        if self.result_of(request, sid) is not None:
+            del self.results[request]
+
+    def _own_published(self, key: bytes, block: int, parent: int) -> None:
+        """A session's staged block (its data landed) becomes resident."""
+        self._session_staged -= 1
+        self._publish_key(key, block, parent)
+
+    def _own_freed(self, key: bytes, block: int) -> None:
+        """A session's staged block goes back to FREE unpublished."""
+        self._session_staged -= 1
+        self._unstage_key(key, block)
+
+    def _detach(self, plan: ChunkPlan) -> None:
+        plan.attached = False
+        plan.hold.plans.pop(plan.chunk, None)
+
+    def _free_own(self, plan: ChunkPlan) -> None:
+        chain = plan.hold.chain
+        for pos, b in plan.own_blocks.items():
+            self._own_freed(chain_key(chain, pos), b)
+        plan.own_blocks.clear()
+
+    def _unpin_resident(self, plan: ChunkPlan, published: int) -> None:
+        """Drop the pins the session took for the plan's resident positions (beyond its
+        published prefix: those it vouches for stay)."""
+        hold = plan.hold
+        for off, kind in enumerate(plan.kinds):
+            pos = plan.start + off
+            if kind is RESIDENT and pos in hold.pins and pos >= published:
+                self.index.unpin(pack_ids([hold.pins.pop(pos)]))
+
+    # -- the books (KVCore.check) ------------------------------------------------------------------
+    def pins_per_block(self) -> collections.Counter:
+        """Pins held by running sessions (a finished session's result is a lease)."""
+        return collections.Counter(b for hold in self.holds.values() for b in hold.pins.values())
+
+    def staged_blocks(self) -> int:
+        return self._session_staged
+
+    def check(self) -> str:
+        counted = sum(len(p.own_blocks) for hold in self.holds.values() for p in hold.plans.values())
+        counted += sum(len(p.own_blocks) for p in self.orphans.values())
+        if counted != self._session_staged:
+            return f"sessions' plans stage {counted} blocks, the manager counts {self._session_staged}"
+        return ""

@@ -32,7 +32,6 @@ class PrefixIndex:
         self.block_bytes = block_bytes
         self.native = BlockIndex(num_blocks)
         self.staging: dict[bytes, int] = {}
-        self._on_resolved = None  # fn(key, published: bool) when a staged key is published or dropped
         n = self.native
         # hot-path methods, bound once
         self.match = n.match
@@ -46,12 +45,6 @@ class PrefixIndex:
         self.release_staging = n.release_staging
         self.find = n.find
 
-    def watch_staging(self, on_resolved) -> None:
-        """Wire (once) who hears that a staged key was published or dropped (in-flight de-dup)."""
-        if self._on_resolved is not None:
-            raise RuntimeError("staging is watched already")
-        self._on_resolved = on_resolved
-
     def evict(self, want: int) -> int:
         """Evict up to ``want`` LRU unpinned leaves; returns how many."""
         done = self.native.evict(want)
@@ -61,22 +54,22 @@ class PrefixIndex:
     def stage(self, key: bytes, block: int) -> None:
         self.staging[key] = block
 
-    def publish(self, key: bytes, block: int, parent: int) -> None:
+    def publish(self, key: bytes, block: int, parent: int) -> bool:
+        """STAGING -> RESIDENT; True when ``key`` was staged under ``block`` (its waiters resolve)."""
         staged = self.staging.get(key) == block
         if staged:
             del self.staging[key]
         self.native.publish(key, block, parent)
-        if staged and self._on_resolved is not None:
-            self._on_resolved(key, True)
+        return staged
 
-    def drop_staging(self, key: bytes, block: int) -> None:
-        """A staged block whose data never landed (or was abandoned) goes back to FREE."""
+    def drop_staging(self, key: bytes, block: int) -> bool:
+        """A staged block whose data never landed (or was abandoned) goes back to FREE; True when
+        ``key`` was staged under ``block``."""
         staged = self.staging.get(key) == block
         if staged:
             del self.staging[key]
         self.native.release_staging(block)
-        if staged and self._on_resolved is not None:
-            self._on_resolved(key, False)
+        return staged
 
     # -- counts ---------------------------------------------------------------------------------
     @property

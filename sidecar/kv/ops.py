@@ -1,7 +1,8 @@
 """KV ops on the control thread: lookup, held GET, release, store → commit.
 
-All state (pool, index, leases, staging, decisions) is owned here and touched only
-from the control thread.  Group-consistent decisions (DESIGN §6) apply when a
+The pool's block state (index, leases, staging, the pool manager: ``kvsidecar.sidecar.kv.state``) is
+shared with L3 ops and changed only through ``kv/``; the decisions are owned here; all of it is
+touched only from the control thread.  Group-consistent decisions (DESIGN §6) apply when a
 request carries ``req`` and ``step``: the first rank's answer is replayed to the others.
 """
 
@@ -16,13 +17,11 @@ from kvsidecar.shm.chain import count as id_count, length as chain_len
 from kvsidecar.shm.errors import ErrorCode
 from kvsidecar.shm.layout import KVLayout
 
-from kvsidecar.sidecar.kv.checksums import ChecksumTable
 from kvsidecar.sidecar.kv.decisions import DecisionBook
-from kvsidecar.sidecar.kv.index import PrefixIndex
-from kvsidecar.sidecar.kv.leases import LeaseError, LeaseTable
+from kvsidecar.sidecar.kv.leases import LeaseError
+from kvsidecar.sidecar.kv.state import KVState
 from kvsidecar.sidecar.service import Host, OpError, Service
-from kvsidecar.sidecar.kv.admission import PoolManager, Refusal
-from kvsidecar.sidecar.kv.staging import StagingTable
+from kvsidecar.sidecar.kv.admission import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -37,39 +36,35 @@ def _question(msg: dict) -> bytes:
 
 class KVCore(Service):
     def __init__(self, sidecar: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic,
-                 checksums: bool = True):
+                 checksums: bool = True, *, state: KVState | None = None, after_publish=None):
+        """``state``: the pool's block state (built here when not given; the composition root
+        builds it first, as L3 shares it); ``after_publish(staging)``: what follows a published
+        engine store (L3 write-behind; ``kvsidecar.sidecar.l3.ops``)."""
         self.clock = clock  # injected: the executor bench drives a fake clock
         self.sidecar = sidecar
         self.layout = layout
         self.limits = limits
-        self.index = PrefixIndex(num_blocks, layout.block_bytes)
-        self.leases = LeaseTable(self.index)
-        pool_bytes = num_blocks * layout.block_bytes
-        self.pool = PoolManager(self.index, self.leases,
-                                reserved_limit_bytes=limits.reserved_bytes_limit or pool_bytes,
-                                pinned_limit_bytes=limits.pinned_bytes_limit or pool_bytes)
-        self.staging = StagingTable(self.pool)
+        if state is None:
+            state = KVState.build(layout, num_blocks, limits, checksums)
+        elif state.num_blocks != num_blocks:
+            raise ValueError(f"state has {state.num_blocks} blocks, not {num_blocks}")
+        self.state = state
+        self.index = state.index
+        self.leases = state.leases
+        self.pool = state.pool  # also owns prefetch sessions' block state (holds, plans, results)
+        self.staging = state.staging
         self.decisions = DecisionBook(limits.decision_ttl_s)
         # one XXH3-64 per (block, shard), written by the block's writer (integrity.checksums)
-        self.sums = ChecksumTable(num_blocks, layout.num_shards) if checksums else None
+        self.sums = state.sums
         self._reaper_due = float("inf")
-        # Every holder of pins or staging outside the lease and staging tables (prefetch
-        # sessions) registers here, so the books balance while they run: each provides
-        # ``pins_per_block() -> Counter`` and ``staged_blocks() -> int``.
-        self.holders: list = [self.leases, self.staging]
+        # Every holder of pins or staging, so the books balance: each provides
+        # ``pins_per_block() -> Counter`` and ``staged_blocks() -> int`` (the pool manager holds
+        # what prefetch sessions pin and stage).
+        self.holders: tuple = (self.leases, self.staging, self.pool)
         # Ranks of a group that left (died or detached) and have not attached again: a
         # group lease made now is not held on their behalf (nobody would release it).
         self.departed: dict[str, set] = {}
-        # collaborators wired once by the composition root (kvsidecar.sidecar.app): what follows a
-        # published engine store (L3 write-behind) and a GET (the prefetch result hand-off)
-        self._after_publish = None
-        self._after_get = None
-
-    def connect(self, *, after_publish=None, after_get=None) -> None:
-        """Wire the collaborators (once): ``after_publish(staging)``, ``after_get(conn, msg)``."""
-        if self._after_publish is not None or self._after_get is not None:
-            raise RuntimeError("KVCore is connected already")
-        self._after_publish, self._after_get = after_publish, after_get
+        self._after_publish = after_publish
 
     def ops(self) -> dict:
         return {"lookup": self.op_lookup, "get": self.op_get, "release": self.op_release,
@@ -253,8 +248,9 @@ class KVCore(Service):
         self.sidecar.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
         if self.sums is not None and result["count"]:  # this rank's column: its blocks are pinned
             result["sums"] = self.sums.column(result["blocks"], self.layout.shard_of(conn.info.rank))
-        if self._after_get is not None:
-            self._after_get(conn, msg)
+        if msg.get("req") is not None:  # the request's prefetch result is no longer needed (its
+            # pins moved to this GET's lease above, in the same control-thread step)
+            self.pool.hand_off((conn.info.group, msg["req"], msg.get("attempt", 0)))
         return result
 
     def op_release(self, conn, msg) -> dict:
@@ -329,7 +325,7 @@ class KVCore(Service):
 
     def check(self) -> str:
         """Accounting invariants; '' when they hold, else what broke."""
-        broken = self.index.check()
+        broken = self.index.check() or self.pool.check()
         if broken:
             return broken
         pins = collections.Counter()

@@ -16,20 +16,22 @@ from __future__ import annotations
 import time
 
 from kvsidecar.shm.chain import count as id_count, length as chain_len, span as chain_span
-from kvsidecar.sidecar.kv.ops import KVCore
 from kvsidecar.sidecar.kv.admission import Refusal
+from kvsidecar.sidecar.kv.state import KVState
 from kvsidecar.sidecar.l3.tier import L3Tier
-from kvsidecar.sidecar.service import DEFERRED, Service
+from kvsidecar.sidecar.service import DEFERRED, Host, Service
 
 
 class L3Ops(Service):
-    def __init__(self, core: KVCore, tier: L3Tier, max_put_backlog_blocks: int = 0):
-        self.core = core
-        self.max_put_backlog = max_put_backlog_blocks or max(core.index.num_blocks // 4, 1)
+    def __init__(self, host: Host, kv: KVState, tier: L3Tier, max_put_backlog_blocks: int = 0):
+        """``kv``: the pool's block state (``kvsidecar.sidecar.kv.state``); :meth:`write_behind` is
+        given to ``KVCore`` as what follows a published store."""
+        self.kv = kv
+        self.max_put_backlog = max_put_backlog_blocks or max(kv.num_blocks // 4, 1)
         self.put_backlog = 0  # blocks pinned by PUTs in flight
         self.tier = tier
-        self.sidecar = core.sidecar
-        self.counters = core.sidecar.counters
+        self.sidecar = host
+        self.counters = host.counters
         self.puts_in_flight = 0
         self.loads_in_flight = 0
 
@@ -49,14 +51,14 @@ class L3Ops(Service):
             self.counters["l3_put_skipped_blocks"] += n  # L3 is behind: keep it in the pool only
             return
         self.put_backlog += n
-        lease = self.core.leases.new(st.blocks, ttl_s=float("inf"), now=time.monotonic(), kind="l3_put",
+        lease = self.kv.leases.new(st.blocks, ttl_s=float("inf"), now=time.monotonic(), kind="l3_put",
                                      owner=("l3", st.id))
         self.puts_in_flight += 1
 
         def done(ok):
             self.puts_in_flight -= 1
             self.put_backlog -= n
-            self.core.leases.drop(lease, "l3_put_done")
+            self.kv.leases.drop(lease, "l3_put_done")
             self.counters["l3_published_blocks"] += sum(ok)
             self.counters["l3_put_failed_blocks"] += len(ok) - sum(ok)
 
@@ -66,7 +68,7 @@ class L3Ops(Service):
     def op_restore(self, conn, msg):
         chain, ns = msg["chain"], msg.get("ns") or ""
         total = chain_len(chain)
-        resident = self.core.index.match(chain)
+        resident = self.kv.index.match(chain)
         if resident == total:
             return {"restored": 0, "resident": resident, "l3_hits": 0}
         rid = msg["id"]
@@ -75,13 +77,13 @@ class L3Ops(Service):
         return DEFERRED
 
     def _stage(self, conn, rid, chain, ns, queried_from, hits) -> None:
-        core = self.core
-        start = core.index.match(chain)  # may have grown while L3 was queried
+        kv = self.kv
+        start = kv.index.match(chain)  # may have grown while L3 was queried
         end = queried_from + hits
         if end <= start:
             self.sidecar.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
             return
-        plan = core.pool.prepare_stage(chain, start, end - start, "restore", prefix_ttl_s=float("inf"),
+        plan = kv.pool.prepare_stage(chain, start, end - start, "restore", prefix_ttl_s=float("inf"),
                                        owner=("load", rid), now=time.monotonic())
         if isinstance(plan, Refusal):
             self.sidecar.reply(conn, rid, error=(plan.code, f"no staging room for the restore ({plan.message})"))
@@ -90,13 +92,13 @@ class L3Ops(Service):
             self.sidecar.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
             return
         # no deadline: a block is never recycled while its read may be in flight
-        st = core.staging.open(plan, group="", writers=set(), ttl_s=None, now=time.monotonic(), ns=ns, source="l3")
+        st = kv.staging.open(plan, group="", writers=set(), ttl_s=None, now=time.monotonic(), ns=ns, source="l3")
         self.loads_in_flight += 1
         count = plan.count
 
         def loaded(result):
             self.loads_in_flight -= 1
-            n = core.staging.complete_load(st, result.ok)
+            n = kv.staging.complete_load(st, result.ok)
             self.counters["l3_restored_blocks"] += n
             self.sidecar.reply(conn, rid, {"restored": n, "resident": start + n, "l3_hits": hits,
                                            "failed": count - n})

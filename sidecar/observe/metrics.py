@@ -39,7 +39,7 @@ from kvsidecar.sidecar.service import Host, Service
 log = logging.getLogger(__name__)
 
 POLICIES = ("wait_complete", "timeout", "best_effort", "cost_aware")
-STATUSES = ("complete", "timeout", "demanded", "aborted", "failed", "cost", "no_hit")
+STATUSES = ("complete", "timeout", "demanded", "aborted", "failed", "limit", "cost", "no_hit")
 SESSION_STATES = ("created", "querying", "running", "draining", "terminal")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PER_BLOCK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)

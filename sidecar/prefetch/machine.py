@@ -1,9 +1,13 @@
 """The prefetch session lifecycle as a pure state machine: events in, actions out.
 
 No I/O, no clock of its own (every event carries ``now``), no knowledge of pools or
-L3 — in the spirit of h11: typed events in (:meth:`Session.handle`), typed actions out;
-an event the state does not allow raises :class:`IllegalEvent`.  The control thread
-(``kvsidecar.sidecar.prefetch.executor``) feeds events and carries out the actions.  Positions are block indices in the request's chain.
+L3 — in the spirit of h11: typed events in (:meth:`Session.handle`), typed actions out.
+Which event each state accepts is one explicit table, :data:`TRANSITIONS` ((state, event
+type) → ``LEGAL`` or ``IGNORED``); a pair not in it raises :class:`IllegalTransition` (an
+:class:`IllegalEvent`), as does a legal pair whose data cannot be (a chunk not in flight).  The control thread
+(``kvsidecar.sidecar.prefetch.sessions``) feeds events and its executor
+(``kvsidecar.sidecar.prefetch.executor``) carries out the actions.  Positions are block
+indices in the request's chain.
 
 ::
 
@@ -58,7 +62,8 @@ class Status(str, enum.Enum):
     TIMEOUT = "timeout"
     DEMANDED = "demanded"
     ABORTED = "aborted"
-    FAILED = "failed"
+    FAILED = "failed"  # a block read failed (the prefix is cut there), or L3 did not hold the span
+    LIMIT = "limit"  # a healthy capacity stop: a pool limit shrank a claim; it ends with what it has
     COST = "cost"  # cost_aware stopped: restoring more would not lower TTFT
     NO_HIT = "no_hit"
 
@@ -109,7 +114,7 @@ class QueryDone:
 
 
 @dataclasses.dataclass(frozen=True)
-class ClaimGranted:
+class ClaimShort:
     chunk: int
     granted: int  # the executor could reserve only this many of the claimed blocks (a limit)
     now: float
@@ -158,7 +163,36 @@ class Abort:
 
 
 class IllegalEvent(ValueError):
-    """An event the machine cannot receive in its state (a bug in the caller)."""
+    """An event the machine cannot receive (a bug in the caller)."""
+
+
+class IllegalTransition(IllegalEvent):
+    """An event type the session's state does not accept (not in :data:`TRANSITIONS`)."""
+
+    def __init__(self, state: State, event):
+        super().__init__(f"{type(event).__name__} in state {state.value}")
+        self.state = state
+        self.event = event
+
+
+LEGAL = "legal"  # the event is handled
+IGNORED = "ignored"  # a late event that raced the end (a query answer, a repeated trigger)
+
+# Every event type, and the state-independent ones: triggers and re-plans may come at any time.
+EVENTS = (Start, QueryDone, ClaimShort, ChunkDone, ChunkWithdrawn, ChunkAbandoned, Demand, Replan, Tick, Abort)
+_TRIGGERS = (Demand, Replan, Tick, Abort)
+
+#: (state, event type) -> LEGAL | IGNORED; any other pair is an :class:`IllegalTransition`.
+#: Chunks exist only from RUNNING on (claims start when the query is answered); a chunk is
+#: withdrawn or abandoned only after the seal, which with anything in flight is DRAINING;
+#: after TERMINAL late answers and triggers are ignored, but chunk bookkeeping is a bug.
+TRANSITIONS: dict = {
+    **{(State.CREATED, e): LEGAL for e in (Start, *_TRIGGERS)},
+    **{(State.QUERYING, e): LEGAL for e in (QueryDone, *_TRIGGERS)},
+    **{(State.RUNNING, e): LEGAL for e in (ClaimShort, ChunkDone, *_TRIGGERS)},
+    **{(State.DRAINING, e): LEGAL for e in (ClaimShort, ChunkDone, ChunkWithdrawn, ChunkAbandoned, *_TRIGGERS)},
+    **{(State.TERMINAL, e): IGNORED for e in (Start, QueryDone, ChunkDone, *_TRIGGERS)},
+}
 
 
 @dataclasses.dataclass
@@ -340,17 +374,19 @@ class Session:
     def handle(self, event) -> list:
         """Feed one event; returns the actions to carry out (in order).
 
-        Late events after TERMINAL are ignored (a query answer or an abort that raced the end);
-        events that cannot happen in the current state raise :class:`IllegalEvent`.
+        The pair (state, event type) must be in :data:`TRANSITIONS` (else
+        :class:`IllegalTransition`); ``IGNORED`` pairs (late events after TERMINAL) return no
+        action.
         """
         try:
             on = self._HANDLERS[type(event)]
         except KeyError:
             raise IllegalEvent(f"not a session event: {event!r}") from None
+        rule = TRANSITIONS.get((self.state, type(event)))
+        if rule is None:
+            raise IllegalTransition(self.state, event)
         self.now = event.now
-        if self.state == State.TERMINAL:
-            if type(event) in (ChunkWithdrawn, ChunkAbandoned, ClaimGranted):
-                raise IllegalEvent(f"{type(event).__name__} after the session ended")
+        if rule is IGNORED:
             return []
         return on(self, event)
 
@@ -361,8 +397,6 @@ class Session:
         return c
 
     def _on_start(self, e: Start) -> list:
-        if self.state != State.CREATED:
-            raise IllegalEvent("Start twice")
         if self.p.resident >= self.p.total:
             self.state = State.RUNNING
             return self._maybe_finish()
@@ -370,8 +404,6 @@ class Session:
         return [Query(self.p.resident)]
 
     def _on_query_done(self, e: QueryDone) -> list:
-        if self.state != State.QUERYING:
-            raise IllegalEvent(f"QueryDone in state {self.state.value}")
         self.target = min(self.p.total, self.p.resident + max(e.hits, 0))
         self.state = State.RUNNING
         self._new_outlook(e.outlook)
@@ -381,11 +413,11 @@ class Session:
             self._seal(Status.TIMEOUT, "deadline")
         return self._advance()
 
-    def _on_claim_granted(self, e: ClaimGranted) -> list:
+    def _on_claim_short(self, e: ClaimShort) -> list:
         """The executor reserved only ``granted`` of the claimed blocks (a limit): shrink, stop claiming."""
-        c = self._pending(e.chunk, "ClaimGranted")
+        c = self._pending(e.chunk, "ClaimShort")
         if not 0 <= e.granted < c.count:
-            raise IllegalEvent(f"ClaimGranted {e.granted} of a {c.count}-block claim")
+            raise IllegalEvent(f"ClaimShort {e.granted} of a {c.count}-block claim")
         if e.granted == 0:
             del self.chunks[e.chunk]
             self.next_pos = c.start
@@ -393,8 +425,8 @@ class Session:
             c.count = e.granted
             self.next_pos = c.start + e.granted
         self.target = self.next_pos
-        self._seal(Status.FAILED, "limit")  # over a budget: stop claiming, end with what it has
-        self.keep_admitted = self.reason == "limit"  # a limit stop reads what was admitted
+        self._seal(Status.LIMIT, "limit")  # over a budget: stop claiming, end with what it has
+        self.keep_admitted = self.status == Status.LIMIT  # a capacity stop reads what was admitted
         return self._advance()
 
     def _on_chunk_done(self, e: ChunkDone) -> list:
@@ -409,12 +441,10 @@ class Session:
 
     def _on_withdrawn(self, e) -> list:
         """After a stop: a chunk whose read never started was withdrawn from the sender, or one
-        still in flight was left behind when the drain budget ran out (the executor keeps its
+        still in flight was left behind when the drain budget ran out (the pool manager keeps its
         blocks staging until the read really ends).  Either way its positions are not part of
-        the result.  Only legal once sealed."""
+        the result.  Only legal once sealed (DRAINING: see :data:`TRANSITIONS`)."""
         self._pending(e.chunk, type(e).__name__)
-        if not self.sealed:
-            raise IllegalEvent(f"{type(e).__name__} before the session was sealed")
         del self.chunks[e.chunk]
         return self._advance()
 
@@ -454,6 +484,6 @@ class Session:
         c = self.chunks.get(chunk)
         return c is not None and c.ok is None
 
-    _HANDLERS = {Start: _on_start, QueryDone: _on_query_done, ClaimGranted: _on_claim_granted,
+    _HANDLERS = {Start: _on_start, QueryDone: _on_query_done, ClaimShort: _on_claim_short,
                  ChunkDone: _on_chunk_done, ChunkWithdrawn: _on_withdrawn, ChunkAbandoned: _on_withdrawn,
                  Demand: _on_demand, Replan: _on_replan, Tick: _on_tick, Abort: _on_abort}

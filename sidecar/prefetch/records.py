@@ -1,36 +1,38 @@
-"""What the executor keeps per session, per claimed chunk and per read it stopped waiting for.
+"""What the session manager keeps per session and the executor per claimed chunk.
 
-Plain records, owned by the control thread (``kvsidecar.sidecar.prefetch.executor``).  A ``Record``'s
-``pins`` are the blocks the session holds a reference on (its resident prefix and what it
-published); a ``ChunkIO``'s ``own_blocks`` are STAGING blocks only its read may fill — they are
-published or freed only after that read ended (an ``Orphan`` keeps them when the session no
-longer waits).
+Plain records, owned by the control thread (``kvsidecar.sidecar.prefetch.sessions`` and
+``.executor``).  The block state behind them is the pool manager's (``kvsidecar.sidecar.kv``): a
+``Record``'s ``hold`` holds the session's pins (its resident prefix and what it published), a
+``ChunkIO``'s ``plan`` the chunk's classified positions and its STAGING blocks.  Here only the
+I/O side: the read-lane job, timings, counts for the outcome.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from kvsidecar.sidecar.kv.chunks import ChunkPlan, SessionHold
 from kvsidecar.sidecar.prefetch.machine import Session
 
 
 @dataclasses.dataclass
 class ChunkIO:
-    start: int
-    count: int
-    kinds: list  # per position: "have" | "shared" | "own"
-    own_blocks: dict  # position -> staging block
-    shared_ok: dict  # position -> None (waiting) | bool
-    read_ok: dict | None = None  # position -> bool once our read completed
+    plan: ChunkPlan  # the claimed positions and their blocks (kvsidecar.sidecar.kv.chunks)
     reading: bool = False
     job: object = None  # the read lane job (cancellable until it starts)
     t0: float = 0.0  # when the claim was carried out (chunk time = claim -> data landed)
 
+    @property
+    def count(self) -> int:
+        return self.plan.count
 
-@dataclasses.dataclass
-class Orphan:
-    chain: bytes
-    io: ChunkIO
+    @property
+    def own_blocks(self) -> dict:  # position -> STAGING block our read fills
+        return self.plan.own_blocks
+
+    @property
+    def read_ok(self) -> dict | None:  # position -> bool once our read completed
+        return self.plan.read_ok
 
 
 @dataclasses.dataclass
@@ -42,9 +44,8 @@ class Record:
     ns: str
     policy: str
     created: float
-    pins: dict  # position -> block pinned by this session
-    chunks: dict = dataclasses.field(default_factory=dict)
-    result_lease: object = None
+    hold: SessionHold  # its pins, owned by the pool manager
+    chunks: dict = dataclasses.field(default_factory=dict)  # chunk -> ChunkIO
     trigger_at: float | None = None
     trigger: str = ""  # what stopped it first: demand | deadline | abort
     sealed_at: float | None = None

@@ -1,0 +1,312 @@
+"""Prefetch sessions on the control thread: ops, records, timers and events for the pure machine.
+
+One session per (group, request, attempt); any rank may send ``prefetch``, ``demand``,
+``abort``, ``poll`` or ``wait``.  The session manager turns ops, timers and L3 answers into
+events for each session's machine (``kvsidecar.sidecar.prefetch.machine``), hands the actions
+it emits to the :class:`~kvsidecar.sidecar.prefetch.executor.SessionExecutor`, and answers.  The
+block state is the pool manager's (``kvsidecar.sidecar.kv.admission.PoolManager``):
+
+* **Start**: the resident prefix is pinned for the session (it must not shrink meanwhile).
+* **Claim**: a chunk's positions are classified — already resident (pinned now), being staged by
+  someone else (awaited: in-flight de-duplication, one publication serves all), or ours to read.
+  Admission reserves staging within ``reserved_bytes_limit`` and keeps pinned + sessions'
+  staging within ``pinned_bytes_limit``; a shortfall shrinks the claim and the session stops
+  claiming (``Status.LIMIT``).  Our blocks are read on the L3 read lane.
+* **Publish**: our blocks become resident in chain order (the parent is always pinned by the
+  session); every block of the prefix stays pinned by the session.
+* **Drop**: our blocks go back to FREE — only ever after their read completed.
+* **Finish**: the prefix ``[0, P)`` moves into a *prefetch lease* kept for ``retained_ttl_s``; a
+  ``get`` for the request takes its own reference and then drops the prefetch lease in the same
+  control-thread step (``KVCore.op_get`` → ``PoolManager.hand_off``: no eviction window).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+
+from kvsidecar.shm.errors import ErrorCode
+
+from kvsidecar.shm.chain import length as chain_len
+from kvsidecar.sidecar.kv.ops import KVCore
+from kvsidecar.sidecar.l3.tier import L3Tier, read_priority
+from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
+from kvsidecar.sidecar.observe.sessionlog import SessionLog
+from kvsidecar.sidecar.service import DEFERRED, OpError, Service
+from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.estimates import drain_budget, outlook
+from kvsidecar.sidecar.prefetch.executor import SessionExecutor
+from kvsidecar.sidecar.prefetch.records import Record
+from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
+from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Demand, Finish, Params, Policy, QueryDone, Replan,
+                                                Session, Start, State, Status, Tick)
+
+
+class SessionManager(Service):
+    def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic,
+                 observer: SessionObserver | None = None):
+        self.clock = clock  # injected: the executor bench drives a fake clock
+        # told of every terminal session (default: the structured log line, kvsidecar.sidecar.observe)
+        self.observer = observer if observer is not None else SessionLog()
+        self.core = core
+        self.pool = core.pool  # owns every session's block state (and counts it in the books)
+        self.tier = tier
+        self.cfg = cfg
+        self.sidecar = core.sidecar
+        self.index = core.index  # (read only: what is resident)
+        self.records: dict[tuple, Record] = {}
+        self.by_id: dict[int, Record] = {}
+        self._ids = itertools.count(1)
+        self._counters = collections.Counter()
+        self.waits = SessionWaits(self.sidecar, self.clock)  # deferred ``wait`` replies
+        self.executor = SessionExecutor(self.pool, tier, self.sidecar, self.clock, self._counters,
+                                        query_done=self._query_done, chunk_done=self._chunk_done,
+                                        finished=self._finish, session_of=self.by_id.get)
+
+    @property
+    def counters(self) -> collections.Counter:
+        """What sessions did (started, terminal by status, blocks restored, withdrawn, ...), with the
+        results handed off to a GET (counted where the hand-off happens, the pool manager)."""
+        if self.pool.handoffs:
+            self._counters["handoffs"] = self.pool.handoffs
+        return self._counters
+
+    @property
+    def orphans(self) -> dict:
+        """Reads a stopped session stopped waiting for (the drain budget ran out, e.g. a dead L3
+        master, or handed over to waiters): their blocks stay STAGING until the read really
+        ends, then the pool manager publishes them (data landed, parent still resident) or frees
+        them.  (sid, chunk) -> ChunkPlan"""
+        return self.pool.orphans
+
+    def ops(self) -> dict:
+        return {"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
+                "poll": self.op_poll, "wait": self.op_wait}
+
+    # -- ops --------------------------------------------------------------------------------------
+    def _key(self, conn, msg) -> tuple:
+        return (conn.info.group, msg["req"], msg.get("attempt", 0))
+
+    def op_prefetch(self, conn, msg) -> dict:
+        key = self._key(conn, msg)
+        rec = self.records.get(key)
+        if rec is not None:  # another rank (or a retry) of the same request: one session
+            if rec.chain != msg["chain"]:
+                raise OpError(ErrorCode.BAD_FIELD, f"request {msg['req']!r} (attempt {key[2]}) already has a "
+                                                   "session over another chain (a reused request id?)")
+            return self._view(rec, existed=True)
+        c = self.cfg
+        policy = c.policy_override or msg.get("policy") or c.default_policy
+        try:
+            policy = Policy(policy)
+        except ValueError:
+            raise OpError(ErrorCode.BAD_FIELD, f"unknown policy {policy!r}") from None
+        chain = msg["chain"]
+        total = chain_len(chain)
+        now = self.clock()
+        resident = self.index.match(chain)
+        tokens = msg.get("tokens") or total * self.core.layout.tokens_per_block
+        deadline = None
+        budget = msg.get("budget_s")
+        if policy == Policy.TIMEOUT:
+            if budget is None:
+                budget = min(c.timeout_max_s, c.timeout_base_s + c.timeout_per_ki_token_s * tokens / 1024)
+            deadline = now + budget
+        elif policy == Policy.COST_AWARE and budget is not None:
+            deadline = now + budget  # an optional cap on new claims
+        chunk = msg.get("chunk_max_blocks") or c.chunk_max_blocks
+        sid = next(self._ids)
+        # the resident prefix must not shrink while the session runs: pinned for it now
+        rec = Record(sid, key, None, chain, msg.get("ns") or "", policy.value, now,
+                     self.pool.open_hold(sid, chain, resident))
+        if policy == Policy.COST_AWARE:
+            rec.eta = now + msg["eta_s"] if msg.get("eta_s") is not None else None
+            rec.prefill_s_per_block = msg.get("prefill_s_per_block") or c.prefill_s_per_block
+        params = Params(policy, total, resident, chunk, c.window, deadline,
+                        checkpoint_every=msg.get("checkpoint_every") or 0,
+                        checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now))
+        rec.machine = Session(params)
+        self.records[key] = rec
+        self.by_id[rec.id] = rec
+        self._counters[f"started_{policy.value}"] += 1
+        if deadline is not None:
+            self.sidecar.call_at(deadline, self._deadline_due, rec.id)
+        self._run(rec, rec.machine.handle(Start(now)))
+        return self._view(rec)
+
+    def op_demand(self, conn, msg) -> dict:
+        rec = self.records.get(self._key(conn, msg))
+        if rec is None:
+            raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
+        self._trigger(rec, "demand")
+        if not rec.demanded:  # its queued reads go ahead of every request not yet a candidate
+            for io in rec.chunks.values():
+                if io.reading and io.job is not None:
+                    io.job.raise_priority(read_priority(True, rec.id))
+        rec.demanded = True
+        now = self.clock()
+        if rec.eta is None or rec.eta > now:
+            rec.eta = now  # a scheduling candidate: its prefill could start now
+        self._run(rec, rec.machine.handle(Demand(now, self._outlook(rec, now))))
+        return self._view(rec)
+
+    def op_abort(self, conn, msg) -> dict:
+        rec = self.records.get(self._key(conn, msg))
+        if rec is None:
+            return {"state": "unknown"}  # idempotent: nothing to abort
+        self._trigger(rec, "abort")
+        self._run(rec, rec.machine.handle(Abort(self.clock())))
+        self.pool.drop_result(rec.key, rec.id, "aborted")  # the request left: its result is not needed
+        return self._view(rec)
+
+    def op_poll(self, conn, msg) -> dict:
+        def compute(grouped):
+            rec = self.records.get(self._key(conn, msg))
+            if rec is None:
+                return {"state": "unknown"}
+            eta_s = msg.get("eta_s")
+            if eta_s is not None and rec.policy == Policy.COST_AWARE.value and rec.machine.state != State.TERMINAL:
+                now = self.clock()
+                rec.eta = now + eta_s  # once per step: the group's first poll decides for every rank
+                self._run(rec, rec.machine.handle(Replan(now, self._outlook(rec, now))))
+            return self._view(rec)
+
+        return self.core.decided(conn, "poll", msg, compute)
+
+    def op_wait(self, conn, msg):
+        """Deferred: the view once the session's L3 query is done (or ``until`` blocks are
+        published; or, with ``terminal``, only at its end), once it is terminal, or at
+        ``wait_s`` (see ``kvsidecar.sidecar.prefetch.waits``)."""
+        rec = self.records.get(self._key(conn, msg))
+        if rec is None:
+            return {"state": "unknown"}
+        until, terminal = msg.get("until"), bool(msg.get("terminal"))
+        if satisfied(rec.machine, until, terminal):
+            return self._view(rec)
+        self.waits.add(conn, msg["id"], rec.id, until, terminal, msg.get("wait_s"), lambda: self._view(rec))
+        return DEFERRED
+
+    def _view(self, rec: Record, existed: bool = False) -> dict:
+        m = rec.machine
+        out = {"session": rec.id, "state": m.state.value, "policy": rec.policy, "published": m.published,
+               "target": m.target, "existed": existed}
+        if m.state == State.TERMINAL:
+            lease = self.pool.result_of(rec.key, rec.id)
+            out.update(status=m.status.value, prefix=m.prefix, reason=m.reason,
+                       lease=lease.id if lease is not None else 0,
+                       restored=rec.restored, chunks=len(rec.chunk_times),
+                       chunk_ms_max=round(max(rec.chunk_times), 3) if rec.chunk_times else 0.0,
+                       transfer_ms_max=round(max(rec.transfer_times), 3) if rec.transfer_times else 0.0,
+                       stop_ms=round((rec.terminal_at - rec.trigger_at) * 1e3, 3) if rec.trigger_at else None,
+                       drain_ms=round((rec.terminal_at - rec.sealed_at) * 1e3, 3) if rec.sealed_at else None)
+        return out
+
+    # -- event plumbing ---------------------------------------------------------------------------
+    def _outlook(self, rec: Record, now: float) -> Outlook | None:
+        return outlook(rec, now, self.tier, self.cfg)
+
+    def _trigger(self, rec: Record, why: str) -> None:
+        if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
+            rec.trigger_at = self.clock()
+            rec.trigger = why
+
+    def _deadline_due(self, sid: int) -> None:
+        rec = self.by_id.get(sid)
+        if rec is not None and rec.machine.state != State.TERMINAL:
+            self._trigger(rec, "deadline")
+        self._feed(sid, Tick(self.clock()))
+
+    def _query_done(self, sid: int, hits: int) -> None:
+        rec = self.by_id.get(sid)
+        if rec is not None:
+            now = self.clock()
+            self._run(rec, rec.machine.handle(QueryDone(hits, now, self._outlook(rec, now))))
+
+    def _chunk_done(self, sid: int, chunk: int, ok: tuple) -> None:
+        rec = self.by_id.get(sid)
+        if rec is not None and chunk in rec.chunks:  # (not left behind by the drain budget meanwhile)
+            now = self.clock()
+            self._run(rec, rec.machine.handle(ChunkDone(chunk, ok, now, self._outlook(rec, now))))
+
+    def _feed(self, sid: int, event) -> None:
+        """One event into a session's machine (a forgotten session ignores it)."""
+        rec = self.by_id.get(sid)
+        if rec is not None:
+            self._run(rec, rec.machine.handle(event))
+
+    def _run(self, rec: Record, actions: list) -> None:
+        """Carry out actions (the executor), answer the waits, arm the drain budget."""
+        if rec.machine.sealed and rec.sealed_at is None:
+            rec.sealed_at = self.clock()
+        self.executor.carry_out(rec, actions)
+        self.waits.wake(rec.id, rec.machine, lambda: self._view(rec))
+        if rec.machine.state == State.DRAINING and not rec.drain_timer:
+            rec.drain_timer = True
+            self.sidecar.call_at(self.clock() + self._drain_budget(rec), self._drain_expired, rec.id)
+
+    def _drain_budget(self, rec: Record) -> float:
+        return drain_budget(rec, self.tier, self.cfg)
+
+    def _drain_expired(self, sid: int) -> None:
+        """The drain budget ran out: stop waiting on reads still in flight (they become orphans)."""
+        rec = self.by_id.get(sid)
+        if rec is None or rec.machine.state != State.DRAINING:
+            return
+        self.executor.abandon_in_flight(rec)
+
+    def _finish(self, rec: Record, a: Finish) -> None:
+        now = self.clock()
+        rec.terminal_at = now
+        lease = self.pool.finish(rec.hold, a.prefix, rec.key, retain=a.status != Status.ABORTED,
+                                 ttl_s=self.cfg.retained_ttl_s, now=now)
+        if lease is not None:
+            self.core.arm_reaper(lease.deadline)
+        self._counters[f"terminal_{a.status.value}"] += 1
+        self._counters["restored_blocks"] += rec.restored
+        self.sidecar.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
+        self.observer.session_ended(self._outcome(rec, a, now))
+
+    def _outcome(self, rec: Record, a: Finish, now: float) -> SessionOutcome:
+        m = rec.machine
+        return SessionOutcome(
+            session=rec.id, request=str(rec.key[1]), group=rec.key[0], policy=rec.policy,
+            status=a.status.value, reason=a.reason, trigger=rec.trigger, blocks_total=m.p.total,
+            blocks_resident=m.p.resident, blocks_target=m.target, blocks_published=m.published, prefix=a.prefix,
+            blocks_restored=rec.restored, blocks_withdrawn=rec.withdrawn, chunks=len(rec.chunk_times),
+            chunks_abandoned=rec.abandoned, elapsed_s=now - rec.created,
+            stop_latency_s=now - rec.trigger_at if rec.trigger_at is not None else None,
+            drain_s=now - rec.sealed_at if rec.sealed_at is not None else None,
+            chunk_s=tuple(t / 1e3 for t in rec.chunk_times), read_s_per_block=tuple(rec.read_s_per_block),
+            tokens_per_block=self.core.layout.tokens_per_block)
+
+    def _forget(self, sid: int) -> None:
+        rec = self.by_id.pop(sid, None)
+        if rec is not None:
+            self.waits.forget(sid, lambda: self._view(rec))
+            self.pool.forget_result(rec.key, rec.id)
+        if rec is not None and self.records.get(rec.key) is rec:
+            del self.records[rec.key]
+
+    # -- cleanup ----------------------------------------------------------------------------------
+    def client_gone(self, conn) -> None:
+        if conn.info is None:
+            return
+        group = conn.info.group
+        if any(c is not conn and c.info is not None and c.info.group == group
+               for c in self.sidecar.clients.values()):
+            return  # other ranks of the group are still here
+        for rec in list(self.records.values()):
+            if rec.key[0] == group:
+                self._trigger(rec, "abort")
+                self._run(rec, rec.machine.handle(Abort(self.clock())))
+                self.pool.drop_result(rec.key, rec.id, "client_gone")
+                # the key is free at once: a new incarnation of the group reusing the request
+                # id starts its own session (this one finishes its drain under its id)
+                if self.records.get(rec.key) is rec:
+                    del self.records[rec.key]
+
+    def stats(self) -> dict:
+        by_state = collections.Counter(r.machine.state.value for r in self.records.values())
+        return {"sessions": {"by_state": dict(by_state), "outstanding_staging": self.pool.staged_blocks(),
+                             "orphans": len(self.pool.orphans), **dict(self.counters)}}
