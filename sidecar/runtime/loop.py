@@ -141,7 +141,7 @@ class Sidecar:
                     timeout = max(0.0, min(timeout, self._timers[0][0] - now))
                 spin = 0.0 if self._woke_client else spin_s
                 self._woke_client = False
-                self.doorbell.wait(self._has_work, timeout, spin)
+                self.doorbell.wait(self._has_work, timeout, spin, recheck=False)  # _step re-checks
         finally:
             self.ctl.set_state(STATE_STOPPING)
             self._running = False
@@ -175,7 +175,16 @@ class Sidecar:
         return False
 
     def _step(self) -> bool:
+        """One pass: client rings first (after a wake-up the command that woke us is the
+        latency that counts; everything else is not waited on), then the slot table,
+        posted events and due timers."""
         worked = False
+        for conn in list(self.clients.values()):
+            # an idle client costs one ring-index load here, not a full serve
+            if not (conn.outbox or conn.detaching) and not conn.submit.has_data():
+                continue
+            if self._serve(conn):
+                worked = True
         epoch = self.ctl.slot_epoch
         if epoch != self._epoch_seen:
             self._epoch_seen = epoch
@@ -196,13 +205,6 @@ class Sidecar:
                     fn(*args)
                 except Exception:
                     log.exception("timer %r failed", fn)
-                worked = True
-        for conn in list(self.clients.values()):
-            # an idle client costs one ring-index load here, not a full serve (the first
-            # command after idle pays this scan once per attached client)
-            if not (conn.outbox or conn.detaching) and not conn.submit.has_data():
-                continue
-            if self._serve(conn):
                 worked = True
         return worked
 
