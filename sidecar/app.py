@@ -36,7 +36,6 @@ from kvsidecar.sidecar.prefetch.executor import SessionManager
 from kvsidecar.sidecar.observe.metrics import MetricsError, MetricsService
 from kvsidecar.sidecar.observe.outcome import Observers
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
-from kvsidecar.sidecar.observe.status import StatusTables
 from kvsidecar.sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment, sidecar_populator
 from kvsidecar.sidecar.runtime.loop import Sidecar
 
@@ -134,8 +133,8 @@ class SidecarHost:
             self.core.connect(after_publish=l3ops.write_behind if l3ops is not None else None,
                               after_get=self.sessions.handoff)
             self.core.index.watch_staging(self.sessions.key_resolved)
-            tables = StatusTables(self.sidecar, self.core, self.sessions)
-            for service in (self.core, l3ops, self.sessions, tables, self.metrics):
+            # (the inspector's tables render from the loop's snapshot: kvsidecar.sidecar.observe.status)
+            for service in (self.core, l3ops, self.sessions, self.metrics):
                 if service is not None:
                     self.sidecar.mount(service)
             if self.tier is not None:
