@@ -25,6 +25,11 @@ then one spin probes again.  Back-to-back traffic on free CPUs keeps spinning;
 idle or CPU-starved traffic sleeps like a socket.  Spinning never changes what a
 wait returns, only how soon.
 
+After a wake-up every line here runs cold (the idle gap let other work evict it), so a wait
+that does not spin goes straight to sleep (:meth:`Doorbell._sleep`), and a caller that
+re-checks its own condition at once passes ``recheck=False`` (the control loop: its next
+step serves what woke it, so a second scan inside the wait would only delay that).
+
 Why no wake-up is lost: a post that happens after the waiter read ``seq`` changes
 ``seq``, so the spin ends or ``futex_wait`` returns at once (the kernel compares
 the word atomically).  A post whose data landed before that read is seen by the

@@ -5,10 +5,17 @@ none of it needs locks.  Other threads (liveness monitor, L3 workers) hand work
 in through :meth:`Sidecar.post` (a deque plus a doorbell ring) and never touch
 state directly.
 
-The loop: serve every active client's submit ring, run posted events, rescan the
-slot table when a client bumped the epoch; when there is nothing to do, spin
-briefly, then sleep on the sidecar doorbell until a client or worker rings it or
-the next timer (``timers`` below) is due.  No periodic polling when idle.
+The loop: serve every client ring that has work (first: after a wake-up the command
+that woke us is the latency that counts), rescan the slot table when a client bumped
+the epoch, run posted events and due timers; when there is nothing to do, publish the
+stats if due, spin briefly, then sleep on the sidecar doorbell until a client or
+worker rings it or the next timer (``timers`` below) is due.  No periodic polling
+when idle.
+
+The loop is transport and dispatch only: the built-in ops (attach, detach, ping,
+stats) and the stats publishing are ``kvsidecar.sidecar.runtime.builtins``, mounted
+like any service; every completion is built by ``protocol.ok_completion`` or
+``protocol.error_completion`` (through :meth:`Sidecar._error`, which counts it).
 """
 
 from __future__ import annotations
