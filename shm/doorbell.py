@@ -47,7 +47,6 @@ import time
 from kvsidecar._native import atomics as _a
 
 DOORBELL_BYTES = 8
-_INT_MAX = 2**31 - 1
 _YIELD_AFTER_S = 30e-6  # spin this long before yielding the CPU between chunks
 _SPIN_CHUNK = 64  # relax-hinted loads between clock checks (~1-5 µs)
 SPIN_MISSES = 2  # unpaid spins in a row before spinning is skipped
@@ -80,9 +79,7 @@ class Doorbell:
 
     def ring(self) -> bool:
         """Signal the waiter.  Returns True when a futex wake-up was posted."""
-        _a.fetch_add_u32(self.seq_addr, 1)
-        if _a.load_acquire_u32(self.sleeping_addr):
-            _a.futex_wake(self.seq_addr, _INT_MAX)
+        if _a.doorbell_ring(self.seq_addr, self.sleeping_addr):  # the protocol's post, one native call
             self.wakeups_posted += 1
             return True
         return False
