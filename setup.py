@@ -29,7 +29,7 @@ XXHASH = "native/third_party/xxhash"
 
 EXTENSIONS = [
     Extension(f"kvsidecar._native.{mod}", [f"native/{mod}.pyx"], extra_compile_args=["-O2"])
-    for mod in ("atomics", "hashing", "copy", "blockindex")
+    for mod in ("atomics", "hashing", "copy", "blockindex", "ring")
 ] + [
     # XXH3 from vendored xxHash 0.8.4 (BSD-2-Clause, native/third_party/xxhash/LICENSE.xxhash)
     # compiled into the extension: no run-time library to install; on x86-64 its dispatcher

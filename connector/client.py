@@ -230,12 +230,15 @@ class SidecarClient:
         if reply is not None:
             return reply
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        ready = self._completions.has_data
         while True:
+            # the doorbell's own ready() check comes first: a completion already there is
+            # drained at once, and a request still in flight goes to sleep by the shortest path
+            self._wait_slice(ready, deadline, spin=not self._woke_sidecar)
             self._drain_completions()
             reply = self._pending.pop(rid, None)
             if reply is not None:
                 return reply
-            self._wait_slice(self._completions.has_data, deadline, spin=not self._woke_sidecar)
 
     def poll_completions(self) -> list[dict]:
         """Non-blocking: every completion that arrived (and any read ahead)."""
@@ -273,9 +276,11 @@ class SidecarClient:
         one ``liveness_slice_s``.
         """
         now = time.monotonic()
-        if now < deadline and self._doorbell.wait(
-                ready, min(self.liveness_slice_s, deadline - now), self.spin_s if spin else 0.0):
-            return
+        if now < deadline:
+            if self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s if spin else 0.0):
+                return
+        elif ready():
+            return  # it arrived by the deadline: the caller takes it
         self._check_alive()
         if time.monotonic() >= deadline:
             if busy:

@@ -126,6 +126,17 @@ def futex_wake(uintptr_t addr, int n=2147483647):
         raise OSError("futex wake failed")
     return r
 
+def doorbell_ring(uintptr_t seq_addr, uintptr_t sleeping_addr):
+    """The doorbell's post in one call (``kvsidecar.shm.doorbell``): increment ``seq`` (seq_cst RMW,
+    a full fence), then ``futex_wake`` only if the waiter published ``sleeping``.  Returns True
+    when a wake-up was posted."""
+    kvs_fetch_add32(seq_addr, 1)
+    if kvs_load_acq32(sleeping_addr):
+        if kvs_futex_wake(seq_addr, 2147483647) < 0:
+            raise OSError("futex wake failed")
+        return True
+    return False
+
 def buffer_address(const unsigned char[::1] buf):
     """Base address of a contiguous buffer (read-only buffers allowed)."""
     if buf.shape[0] == 0:

@@ -25,6 +25,11 @@ then one spin probes again.  Back-to-back traffic on free CPUs keeps spinning;
 idle or CPU-starved traffic sleeps like a socket.  Spinning never changes what a
 wait returns, only how soon.
 
+After a wake-up every line here runs cold (the idle gap let other work evict it), so a wait
+that does not spin goes straight to sleep (:meth:`Doorbell._sleep`), and a caller that
+re-checks its own condition at once passes ``recheck=False`` (the control loop: its next
+step serves what woke it, so a second scan inside the wait would only delay that).
+
 Why no wake-up is lost: a post that happens after the waiter read ``seq`` changes
 ``seq``, so the spin ends or ``futex_wait`` returns at once (the kernel compares
 the word atomically).  A post whose data landed before that read is seen by the
@@ -42,7 +47,6 @@ import time
 from kvsidecar._native import atomics as _a
 
 DOORBELL_BYTES = 8
-_INT_MAX = 2**31 - 1
 _YIELD_AFTER_S = 30e-6  # spin this long before yielding the CPU between chunks
 _SPIN_CHUNK = 64  # relax-hinted loads between clock checks (~1-5 µs)
 SPIN_MISSES = 2  # unpaid spins in a row before spinning is skipped
@@ -75,61 +79,70 @@ class Doorbell:
 
     def ring(self) -> bool:
         """Signal the waiter.  Returns True when a futex wake-up was posted."""
-        _a.fetch_add_u32(self.seq_addr, 1)
-        if _a.load_acquire_u32(self.sleeping_addr):
-            _a.futex_wake(self.seq_addr, _INT_MAX)
+        if _a.doorbell_ring(self.seq_addr, self.sleeping_addr):  # the protocol's post, one native call
             self.wakeups_posted += 1
             return True
         return False
 
-    def wait(self, ready, timeout_s: float, spin_s: float | None = None) -> bool:
+    def wait(self, ready, timeout_s: float, spin_s: float | None = None, recheck: bool = True) -> bool:
         """Block until ``ready()`` is true or ``timeout_s`` passes; returns ``ready()``.
 
         Spins for up to ``spin_s`` (default: the doorbell's) before sleeping.  A
         ring does not imply readiness (several events share one doorbell), so the
-        caller loops on its own condition.
+        caller loops on its own condition.  ``recheck=False``: after a sleep, return
+        True without calling ``ready()`` again (for a caller that re-checks its own
+        condition at once: the first thing after a wake-up is its own work, not a
+        second scan).  A wait that sleeps at once (no spin) takes the shortest path:
+        after a wake-up this code runs cold, and every line of it is latency.
         """
         observed = _a.load_acquire_u32(self.seq_addr)
         if ready():
             return True
-        spin = min(self.spin_s if spin_s is None else spin_s, timeout_s)
+        spin = self.spin_s if spin_s is None else spin_s
         if spin > 0 and self._skip > 0:
             self._skip -= 1
             self.spins_skipped += 1
             spin = 0.0
+        if spin <= 0:
+            return self._sleep(ready, observed, timeout_s, recheck)
+        spin = min(spin, timeout_s)
         start = time.perf_counter()
-        if spin > 0:
-            end = start + spin
-            yielded = False
-            while True:
-                cur = _a.spin_until_u32_ne(self.seq_addr, observed, _SPIN_CHUNK)
-                if cur != observed:
-                    if ready():
-                        self._spin_result(not yielded)
-                        return True
-                    observed = cur
-                now = time.perf_counter()
-                if now >= end:
-                    break
-                if now - start < _YIELD_AFTER_S:
-                    continue
-                # A peer we just woke may have been queued on this CPU (wake-affine
-                # placement); yielding lets it run instead of waiting out our spin.
-                yielded = True
-                os.sched_yield()
-            self._spin_result(False)
+        end = start + spin
+        yielded = False
+        while True:
+            cur = _a.spin_until_u32_ne(self.seq_addr, observed, _SPIN_CHUNK)
+            if cur != observed:
+                if ready():
+                    self._spin_result(not yielded)
+                    return True
+                observed = cur
+            now = time.perf_counter()
+            if now >= end:
+                break
+            if now - start < _YIELD_AFTER_S:
+                continue
+            # A peer we just woke may have been queued on this CPU (wake-affine
+            # placement); yielding lets it run instead of waiting out our spin.
+            yielded = True
+            os.sched_yield()
+        self._spin_result(False)
         remaining = timeout_s - (time.perf_counter() - start)
         if remaining <= 0:
+            return ready()
+        return self._sleep(ready, observed, remaining, recheck)
+
+    def _sleep(self, ready, observed: int, timeout_s: float, recheck: bool) -> bool:
+        if timeout_s <= 0:
             return ready()
         _a.store_release_u32(self.sleeping_addr, 1)
         _a.fence()
         try:
             if ready():
                 return True
-            _a.futex_wait(self.seq_addr, observed, remaining)
+            woken = _a.futex_wait(self.seq_addr, observed, timeout_s)
         finally:
             _a.store_release_u32(self.sleeping_addr, 0)
-        return ready()
+        return ready() if recheck or not woken else True
 
     def sleeping(self) -> bool:
         return bool(_a.load_acquire_u32(self.sleeping_addr))

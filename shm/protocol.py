@@ -225,6 +225,14 @@ def decode_completion(data, limits: Limits = DEFAULT_LIMITS) -> dict:
     return msg
 
 
+def ok_completion(rid: int, result: dict) -> dict:
+    """A success completion: ``result`` itself (the handler's fresh dict) with ``id`` and ``ok`` set.
+    With :func:`error_completion`, the only places a completion is built."""
+    result["id"] = rid
+    result["ok"] = True
+    return result
+
+
 def error_completion(rid, code: ErrorCode, message: str) -> dict:
     return {"id": rid if rid is not None else -1, "ok": False, "err": int(code), "msg": message[:500]}
 

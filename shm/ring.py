@@ -35,9 +35,9 @@ legal while neither side is using the ring (slot free or being reclaimed).
 
 from __future__ import annotations
 
-import struct
 
 from kvsidecar._native import atomics as _a
+from kvsidecar._native import ring as _native
 
 from .errors import ProtocolError, ErrorCode
 
@@ -46,7 +46,6 @@ _HEAD = 0
 _TAIL = 64
 _WAITING = 72
 WRAP_MARKER = 0xFFFFFFFF
-_U32 = struct.Struct("<I")
 
 
 def frame_bytes(payload_len: int) -> int:
@@ -76,6 +75,7 @@ class _RingBase:
         self.capacity = capacity
         self.mask = capacity - 1
         base = segment.address + offset
+        self.base = base
         self.head_addr = base + _HEAD
         self.tail_addr = base + _TAIL
         self.waiting_addr = base + _WAITING
@@ -105,33 +105,18 @@ class RingProducer(_RingBase):
 
         Raises :class:`RingCorrupted` when the consumer's ``head`` is impossible (behind
         by more than ``capacity``, ahead of ``tail``, unaligned): a hostile consumer then
-        loses its ring instead of wedging the producer's back-pressure.
+        loses its ring instead of wedging the producer's back-pressure.  The frame is
+        written by ``kvsidecar._native.ring.push`` (one call: this runs cold after idle).
         """
-        n = len(payload)
-        if n > self.max_payload:
-            raise ValueError(f"frame of {n} bytes exceeds ring bound {self.max_payload}")
-        need = (4 + n + 7) & ~7
-        tail = self._tail
-        head = _a.load_acquire_u64(self.head_addr)  # rule 2
-        if not 0 <= tail - head <= self.capacity or head & 7:
-            raise RingCorrupted(f"consumer index head={head} is impossible (tail={tail})")
-        free = self.capacity - (tail - head)
-        pos = tail & self.mask
-        room_to_end = self.capacity - pos
-        wrap = need > room_to_end
-        if (need + room_to_end if wrap else need) > free:
+        if len(payload) > self.max_payload:
+            raise ValueError(f"frame of {len(payload)} bytes exceeds ring bound {self.max_payload}")
+        try:
+            tail = _native.push(self.base, self.capacity, self._tail, payload)
+        except RuntimeError as exc:
+            raise RingCorrupted(str(exc)) from None
+        if not tail:
             return False
-        view = self.view
-        base = self.data_off
-        if wrap:
-            _U32.pack_into(view, base + pos, WRAP_MARKER)
-            tail += room_to_end
-            pos = 0
-        _U32.pack_into(view, base + pos, n)
-        view[base + pos + 4 : base + pos + 4 + n] = payload
-        tail += need
         self._tail = tail
-        _a.store_release_u64(self.tail_addr, tail)  # rule 1
         return True
 
     def mark_waiting(self) -> bool:
@@ -173,43 +158,13 @@ class RingConsumer(_RingBase):
         that turns out corrupt is returned (no stale or torn frame is ever executed);
         the ring is then unusable until ``reset``.  Every loop iteration consumes
         bytes and counts against ``limit`` (a wrap skip included), so a hostile
-        producer cannot keep the caller here.
+        producer cannot keep the caller here.  The batch is copied by
+        ``kvsidecar._native.ring.pop_batch`` (one call: this runs cold after idle).
         """
-        tail = _a.load_acquire_u64(self.tail_addr)  # rule 1
-        head = self._head
-        if head == tail:
-            return []
-        cap = self.capacity
-        if tail < head or tail - head > cap or (head | tail) & 7:
-            raise RingCorrupted(f"ring indices head={head} tail={tail} are inconsistent")
-        out = []
-        view = self.view
-        base = self.data_off
-        mask = self.mask
-        steps = 0
-        while head != tail and steps < limit:
-            steps += 1
-            pos = head & mask
-            room = cap - pos
-            (n,) = _U32.unpack_from(view, base + pos)
-            if n == WRAP_MARKER:
-                # legal only where a frame header fits but the next frame did not
-                if pos == 0 or tail - head <= room:
-                    raise RingCorrupted(f"wrap marker at ring offset {pos} with {tail - head} bytes in flight")
-                head += room
-                continue
-            need = (4 + n + 7) & ~7
-            if need > room:
-                raise RingCorrupted(f"frame length {n} at ring offset {pos} is out of bounds")
-            if need > tail - head:
-                raise RingCorrupted(f"frame length {n} at ring offset {pos} runs past tail")
-            if n > self.max_frame:
-                out.append(Oversize(n))  # skipped, not copied: the caller answers TOO_LARGE
-            else:
-                out.append(bytes(view[base + pos + 4 : base + pos + 4 + n]))
-            head += need
-        self._head = head
-        _a.store_release_u64(self.head_addr, head)  # rule 2
+        try:
+            self._head, out = _native.pop_batch(self.base, self.capacity, self._head, limit, self.max_frame, Oversize)
+        except RuntimeError as exc:
+            raise RingCorrupted(str(exc)) from None
         return out
 
     def producer_waiting(self) -> bool:

@@ -37,7 +37,6 @@ from kvsidecar.sidecar.prefetch.sessions import SessionManager
 from kvsidecar.sidecar.observe.metrics import MetricsError, MetricsService
 from kvsidecar.sidecar.observe.outcome import Observers
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
-from kvsidecar.sidecar.observe.status import StatusTables
 from kvsidecar.sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment, sidecar_populator
 from kvsidecar.sidecar.runtime.loop import Sidecar
 
@@ -137,8 +136,8 @@ class SidecarApp:
                                            observer=Observers(SessionLog(), self.metrics))
             if self.metrics is not None:  # (the one edge left: metrics observes the sessions it reads)
                 self.metrics.connect(sessions=self.sessions)
-            tables = StatusTables(self.sidecar, self.core, self.sessions)
-            for service in (self.core, l3ops, self.sessions, tables, self.metrics):
+            # (the inspector's tables render from the loop's snapshot: kvsidecar.sidecar.observe.status)
+            for service in (self.core, l3ops, self.sessions, self.metrics):
                 if service is not None:
                     self.sidecar.mount(service)
             if self.tier is not None:

@@ -7,9 +7,9 @@ A service (KV ops, L3 ops, prefetch sessions, later metrics) is an object with:
   attached with a KV layout) and be served by exactly one service;
 * ``validate_attach(conn, msg)`` → raise :class:`OpError` to refuse a KV attach;
 * ``client_gone(conn)`` → release what that client incarnation held (runs exactly once);
-* ``stats()`` → a dict merged into the sidecar's snapshot;
-* ``status()`` → bounded tables for the read-only inspector, merged into the snapshot the loop
-  publishes into the control segment (not into the ``stats`` op's answer);
+* ``snapshot()`` → its typed snapshot (``kvsidecar.sidecar.observe.snapshot``; None: nothing to
+  show), taken on the control thread; the ``stats`` op, the inspector's tables and Prometheus all
+  render from it (``stats()`` is its wire rendering);
 * ``check()`` → ``""`` when its accounting invariants hold, else what broke.
 
 Services never import the loop (``kvsidecar.sidecar.runtime.loop``): they get what they need of it — ``post``,
@@ -41,6 +41,8 @@ class Host(Protocol):
     clients: dict  # slot -> ClientConn (read only)
     counters: object  # collections.Counter of the sidecar's own counters
 
+    def snapshot(self): ...  # the whole sidecar's SidecarSnapshot
+
     def post(self, fn, *args) -> None: ...
 
     def call_at(self, due: float, fn, *args) -> None: ...
@@ -60,11 +62,12 @@ class Service:
     def client_gone(self, conn) -> None:
         return None
 
-    def stats(self) -> dict:
-        return {}
+    def snapshot(self):
+        return None
 
-    def status(self) -> dict:
-        return {}
+    def stats(self) -> dict:
+        snap = self.snapshot()
+        return snap.stats() if snap is not None else {}
 
     def check(self) -> str:
         return ""

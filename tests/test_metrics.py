@@ -195,6 +195,14 @@ class _StalledLoop:
         self.clients: dict = {}
         self.counters = _c.Counter()
         self.posted: list = []
+        self.services: list = []  # what snapshot() includes
+
+    def snapshot(self):
+        from kvsidecar.sidecar.observe.snapshot import LoopSnapshot, SidecarSnapshot
+
+        loop = LoopSnapshot(instance="stalled", generation=7, pid=0, clients=(), counters=dict(self.counters),
+                            ops={}, errors={}, rings_corrupted=0)
+        return SidecarSnapshot.of(loop, [svc.snapshot() for svc in self.services])
 
     def post(self, fn, *args):
         self.posted.append((fn, args))
@@ -217,6 +225,7 @@ def test_a_scrape_never_waits_past_its_budget_and_says_stale():
     loop = _StalledLoop()
     core = KVCore(loop, cfg.kv_layout(), 64, cfg.limits)
     svc = MetricsService(loop, MetricsConfig(enabled=True, port=0, scrape_timeout_s=0.05), core=core, generation=7)
+    loop.services = [core]
     port = svc.start()
     try:
         t0 = time.monotonic()

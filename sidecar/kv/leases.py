@@ -61,6 +61,7 @@ class LeaseTable:
         self._next_id = LEASE_ID_BASE
         self._deadlines = DeadlineHeap(self.leases, lambda lease: lease.deadline)
         self.counters = collections.Counter()
+        self.drops = collections.Counter()  # reason -> leases dropped (the snapshot's causes)
 
     def new(self, blocks: bytes, *, ttl_s: float, now: float, kind: str, owner=None, group=None,
             holders=None) -> Lease:
@@ -86,6 +87,7 @@ class LeaseTable:
             return
         self.index.unpin(lease.blocks)
         self.counters[f"dropped_{reason}"] += 1
+        self.drops[reason] += 1
 
     def release(self, lease_id: int, owner: tuple, group: str | None, rank: int) -> bool:
         """Release the caller's hold; True if it held one.  Raises LeaseError on misuse."""

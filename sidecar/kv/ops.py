@@ -312,16 +312,7 @@ class KVCore(Service):
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> dict:
-        now = self.clock()
-        return {
-            "pool": self.index.stats(),
-            "leases": self.leases.stats(now),
-            "store": {"open": len(self.staging.records), "staged_blocks": self.staging.staged_blocks(),
-                      "published_blocks": self.staging.published_blocks,
-                      "aborted_blocks": self.staging.aborted_blocks},
-            "decisions": {"open": len(self.decisions.records), "made": self.decisions.made,
-                          "replayed": self.decisions.hits},
-        }
+        return self.snapshot().stats()
 
     def check(self) -> str:
         """Accounting invariants; '' when they hold, else what broke."""
@@ -341,3 +332,23 @@ class KVCore(Service):
         if staged != len(self.index.staging):
             return f"staging holders account for {staged} blocks, staged keys {len(self.index.staging)}"
         return ""
+
+    def snapshot(self):
+        """Pool, leases, stores and decisions as one typed snapshot (``kvsidecar.sidecar.observe.snapshot``;
+        the stats op, the inspector and Prometheus render it)."""
+        from kvsidecar.sidecar.observe.snapshot import KVSnapshot, LeaseCause, PoolSnapshot, lease_rows
+
+        now = self.clock()
+        pool = PoolSnapshot(**self.index.stats(), reserved_limit_blocks=self.pool.reserved_limit_blocks,
+                            pinned_limit_blocks=self.pool.pinned_limit_blocks)
+        drops: dict = {cause: 0 for cause in LeaseCause}
+        for reason, n in self.leases.drops.items():
+            drops[LeaseCause.of(reason)] += n
+        return KVSnapshot(
+            pool=pool, leases=lease_rows(self.leases.leases.values(), now), lease_counters=dict(self.leases.counters),
+            lease_drops=drops, refusals=dict(self.pool.refusals),
+            store={"open": len(self.staging.records), "staged_blocks": self.staging.staged_blocks(),
+                   "published_blocks": self.staging.published_blocks, "aborted_blocks": self.staging.aborted_blocks},
+            decisions={"open": len(self.decisions.records), "made": self.decisions.made,
+                       "replayed": self.decisions.hits})
+

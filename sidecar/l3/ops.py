@@ -39,8 +39,7 @@ class L3Ops(Service):
         return {"restore": self.op_restore}
 
     def stats(self) -> dict:
-        return {"l3": {**self.tier.stats(), "puts_in_flight": self.puts_in_flight,
-                       "put_backlog_blocks": self.put_backlog, "loads_in_flight": self.loads_in_flight}}
+        return self.snapshot().stats()
 
     # -- write-behind ---------------------------------------------------------------------------
     def write_behind(self, st) -> None:
@@ -104,6 +103,11 @@ class L3Ops(Service):
                                            "failed": count - n})
 
         self.tier.load(ns, st.chain, st.blocks, loaded)
+
+    def snapshot(self):
+        """The tier's snapshot with this service's in-flight counts (``kvsidecar.sidecar.observe.snapshot``)."""
+        return self.tier.snapshot(puts_in_flight=self.puts_in_flight, put_backlog_blocks=self.put_backlog,
+                                  loads_in_flight=self.loads_in_flight)
 
 
 __all__ = ["L3Ops"]

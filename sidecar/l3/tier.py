@@ -203,10 +203,19 @@ class L3Tier:
                            finish)
 
     def stats(self) -> dict:
+        return self.snapshot().stats()["l3"]
+
+    def snapshot(self, *, puts_in_flight: int = 0, put_backlog_blocks: int = 0, loads_in_flight: int = 0):
+        """Counters, the backend's stats, the cost model and the lanes as one typed snapshot
+        (``kvsidecar.sidecar.observe.snapshot.L3Snapshot``; the caller adds its in-flight counts)."""
+        from kvsidecar.sidecar.observe.snapshot import CostSnapshot, L3Snapshot
+
         est = self.cost.estimate()
-        cost = {"latency_ms": round(est.latency_s * 1e3, 3), "s_per_block_us": round(est.s_per_block * 1e6, 3),
-                "mb_per_s": round(self.block_bytes / est.s_per_block / 1e6, 3), "samples": est.samples,
-                "error": round(self.cost.error, 4)}
         landing = self.landing.stats() if self.landing is not None else {"method": "off", "done": True}
-        return {**dict(self.counters), "cost": cost, "meta": self.meta.stats(), "read": self.reader.stats(),
-                "write": self.writer.stats(), "backend": self.backend.stats(), "pool_populate": landing}
+        return L3Snapshot(
+            block_bytes=self.block_bytes, counters=dict(self.counters), backend=self.backend.stats(),
+            read_s_per_block=self.read_s_per_block,
+            cost=CostSnapshot(est.latency_s, est.s_per_block, est.samples, self.cost.error),
+            lanes={"meta": self.meta.stats(), "read": self.reader.stats(), "write": self.writer.stats(),
+                   "pool_populate": landing},
+            puts_in_flight=puts_in_flight, put_backlog_blocks=put_backlog_blocks, loads_in_flight=loads_in_flight)

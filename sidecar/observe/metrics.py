@@ -8,9 +8,11 @@ runs on the control thread's request path:
 * **Histograms** (session stop latency, drain, chunk, L3 read per block, elapsed; by policy) are
   observed when a session ends (:meth:`MetricsService.session_ended`, a session observer), once
   per session, never per request.
-* **Everything else** is computed at scrape time from one snapshot that the control thread takes
-  when a scrape asks for it (``Host.post``; the control thread owns all state, so the snapshot is
-  consistent and nothing races it).  The scrape waits at most ``scrape_timeout_s``; past that it
+* **Everything else** is computed at scrape time from one ``SidecarSnapshot``
+  (``kvsidecar.sidecar.observe.snapshot``, the same one the ``stats`` op and the inspector render)
+  that the control thread takes when a scrape asks for it (``Host.post``; the control thread owns
+  all state, so the snapshot is consistent and nothing races it).  The series are one table,
+  :data:`METRICS` (name, help, kind, getter, labels), label values taken from the enums.  The scrape waits at most ``scrape_timeout_s``; past that it
   serves the last good snapshot and ``kvsidecar_scrape_stale`` says so (1).  The per-session
   outcome counts kept by :meth:`session_ended` are plain counters owned by the control thread
   and copied into that snapshot.
@@ -22,6 +24,7 @@ slot number): never a request id, a session id or exception text.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import socket
 import socketserver
@@ -34,18 +37,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvsidecar.shm.errors import KvSidecarError
 
 from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
+from kvsidecar.sidecar.observe.snapshot import LeaseCause, MetricsSnapshot, Policy, Resource, SidecarSnapshot, Status
 from kvsidecar.sidecar.service import Host, Service
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("wait_complete", "timeout", "best_effort", "cost_aware")
-STATUSES = ("complete", "timeout", "demanded", "aborted", "failed", "limit", "cost", "no_hit")
-SESSION_STATES = ("created", "querying", "running", "draining", "terminal")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PER_BLOCK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
-# lease drop reasons (kvsidecar.sidecar.kv.leases) -> the cause an operator asks about
-LEASE_CAUSES = {"released": "released", "handed_off": "handed_off", "expired": "ttl", "client_gone": "client_gone",
-                "group_gone": "client_gone", "aborted": "aborted"}
 
 
 class MetricsError(KvSidecarError):
@@ -54,10 +52,14 @@ class MetricsError(KvSidecarError):
 
 class MetricsService(Service, SessionObserver):
     def __init__(self, host: Host, cfg, *, core, tier=None, l3ops=None, generation: int = 0):
-        self.host, self.cfg, self.core, self.tier, self.l3ops = host, cfg, core, tier, l3ops
+        """``core`` gives the layout's sizes; every figure comes from ``host.snapshot()`` (``tier``,
+        ``l3ops`` and the sessions wired by :meth:`connect` are mounted services: they are in it)."""
+        self.host, self.cfg = host, cfg
         self.sessions = None  # wired by the composition root (connect)
         self.generation = generation
         self.block_bytes = core.index.block_bytes
+        self.shard_bytes = core.layout.shard_bytes
+        self.tokens_per_block = core.layout.tokens_per_block
         self.registry = CollectorRegistry()
         self._hist = {
             "stop": Histogram("kvsidecar_session_stop_latency_seconds", "Stop trigger (deadline, demand, abort) "
@@ -157,52 +159,18 @@ class MetricsService(Service, SessionObserver):
         return child
 
     # -- service contract --------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def snapshot(self) -> MetricsSnapshot:
         with self._lock:
-            return {"metrics": {"port": self.port, "scrapes": self.scrapes, "stale_scrapes": self.stale_scrapes}}
+            scrapes, stale = self.scrapes, self.stale_scrapes
+        return MetricsSnapshot(port=self.port, scrapes=scrapes, stale_scrapes=stale, terminal=dict(self._terminal),
+                               tokens=dict(self._tokens))
 
     # -- snapshots ---------------------------------------------------------------------------------
-    def control_snapshot(self) -> dict:
+    def control_snapshot(self) -> SidecarSnapshot:
         """Everything a scrape reports, taken on the control thread (the owner of the state)."""
-        host, core = self.host, self.core
-        now = core.clock()
-        kinds: dict = {}
-        for lease in core.leases.leases.values():
-            n, oldest = kinds.get(lease.kind, (0, 0.0))
-            kinds[lease.kind] = (n + 1, max(oldest, now - lease.created))
-        clients = []
-        for conn in host.clients.values():
-            clients.append((conn.slot, conn.attached, conn.submit.depth(), conn.completion.depth()))
-        sess = self.sessions
-        snap = {
-            "counters": dict(host.counters),
-            "pool": core.index.stats(),
-            "reserved_limit_blocks": core.pool.reserved_limit_blocks,
-            "pinned_limit_blocks": core.pool.pinned_limit_blocks,
-            "refusals": dict(core.pool.refusals),
-            "leases": kinds,
-            "lease_counters": dict(core.leases.counters),
-            "clients": clients,
-            "sessions": dict(sess.counters) if sess is not None else {},
-            "sessions_by_state": dict(collections.Counter(r.machine.state.value for r in sess.records.values()))
-            if sess is not None else {},
-            "orphans": len(sess.orphans) if sess is not None else 0,
-            "terminal": dict(self._terminal),
-            "tokens": dict(self._tokens),
-            "tier": None,
-        }
-        if self.tier is not None:
-            backend = self.tier.backend.stats()
-            est = self.tier.cost.estimate()
-            snap["tier"] = {"counters": dict(self.tier.counters), "backend": backend,
-                            "read_s_per_block": self.tier.read_s_per_block,
-                            "cost": (est.latency_s, est.s_per_block, est.samples, self.tier.cost.error)}
-        if self.l3ops is not None:
-            snap["l3ops"] = {"puts_in_flight": self.l3ops.puts_in_flight, "put_backlog": self.l3ops.put_backlog,
-                             "loads_in_flight": self.l3ops.loads_in_flight}
-        return snap
+        return self.host.snapshot()
 
-    def scrape_snapshot(self) -> tuple[dict, bool]:
+    def scrape_snapshot(self) -> tuple[SidecarSnapshot | None, bool]:
         """(snapshot, stale): asks the control thread, waits at most ``scrape_timeout_s``.
 
         At most one request is outstanding: scrapes that arrive while the control thread has not
@@ -222,7 +190,7 @@ class MetricsService(Service, SessionObserver):
                 self._last = box["snap"]
                 return box["snap"], False
             self.stale_scrapes += 1
-            return (self._last or {}), True
+            return self._last, True
 
     def _take(self, pending) -> None:  # control thread
         done, box = pending
@@ -235,8 +203,197 @@ class MetricsService(Service, SessionObserver):
             done.set()
 
 
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One series family: ``getter(snapshot, service)`` returns the value (no labels), a dict
+    {label value(s): value} (with ``labels``), or None (not reported now).  ``part``: the snapshot
+    part it needs (skipped when that service is not mounted)."""
+
+    name: str
+    help: str
+    kind: str  # "gauge" | "counter"
+    getter: object
+    labels: tuple = ()
+    part: str | None = None
+
+
+def _g(name, doc, getter, labels=(), part=None):
+    return Metric(name, doc, "gauge", getter, tuple(labels), part)
+
+
+def _c(name, doc, getter, labels=(), part=None):
+    return Metric(name, doc, "counter", getter, tuple(labels), part)
+
+
+def _loop(s: SidecarSnapshot, name: str) -> int:
+    return s.loop.counters.get(name, 0)
+
+
+def _sess(s: SidecarSnapshot, name: str) -> int:
+    return s.sessions.count(name) if s.sessions is not None else 0
+
+
+def _tier(s: SidecarSnapshot, name: str) -> int:
+    return s.l3.counters.get(name, 0) if s.l3 is not None else 0
+
+
+def _terminal(s: SidecarSnapshot) -> dict:
+    seen = s.metrics.terminal if s.metrics is not None else {}
+    keys = {(p.value, st.value) for p in Policy for st in Status} | set(seen)
+    return {k: seen.get(k, 0) for k in sorted(keys)}
+
+
+def _tokens(s: SidecarSnapshot, key: tuple) -> int:
+    return s.metrics.tokens.get(key, 0) if s.metrics is not None else 0
+
+
+def _capacity_stops(s: SidecarSnapshot) -> dict:
+    ref = s.kv.refusals
+    return {r: ref.get(r, 0) for r in sorted({x.value for x in Resource} | set(ref))}
+
+
+def _ring_depths(s: SidecarSnapshot) -> dict:
+    out = {}
+    for c in s.loop.clients:
+        out[(str(c.slot), "submit")] = c.submit_depth
+        out[(str(c.slot), "completion")] = c.completion_depth
+    return out
+
+
+# the L3 backend's own failure counters that are reported as codes (the backend names them)
+_BACKEND_ERRORS = ("read_corrupt", "write_error", "write_too_big")
+
+
+def _l3_errors(s: SidecarSnapshot) -> dict:
+    name, tc, backend = s.l3.backend_name, s.l3.counters, s.l3.backend
+    out = {(name, "lookup_error"): tc.get("lookup_errors", 0),
+           (name, "read_failed_blocks"): tc.get("read_blocks_failed", 0),
+           (name, "write_failed_blocks"): tc.get("put_blocks_failed", 0)}
+    for k, v in sorted(backend.items()):
+        if k.startswith("err_"):  # Mooncake's error codes, by the backend's own name for them
+            out[(name, k[4:])] = v
+        elif k in _BACKEND_ERRORS:
+            out[(name, k)] = v
+    return out
+
+
+def _per_block(s: SidecarSnapshot):
+    return s.l3.read_s_per_block or None
+
+
+def _bandwidth(bb: int, s_per_block) -> float:
+    return bb / s_per_block if s_per_block and s_per_block > 0 else 0.0
+
+
+METRICS: tuple[Metric, ...] = (
+    # -- sessions
+    _c("kvsidecar_sessions_started", "Prefetch sessions started",
+       lambda s, m: {p.value: s.sessions.started.get(p, 0) for p in Policy}, ["policy"], "sessions"),
+    _c("kvsidecar_sessions_terminal", "Prefetch sessions ended, by policy and status",
+       lambda s, m: _terminal(s), ["policy", "status"], "sessions"),
+    _g("kvsidecar_sessions", "Sessions by state now (terminal: kept for their GET until retained_ttl_s)",
+       lambda s, m: {st.value: n for st, n in s.sessions.by_state().items()}, ["state"], "sessions"),
+    _c("kvsidecar_restored_blocks", "Blocks read from L3 and published (session: prefetch, restore: the restore op)",
+       lambda s, m: {"session": _sess(s, "restored_blocks"), "restore": _loop(s, "l3_restored_blocks")}, ["path"]),
+    _c("kvsidecar_restored_bytes", "Bytes of the restored blocks",
+       lambda s, m: {"session": _sess(s, "restored_blocks") * m.block_bytes,
+                     "restore": _loop(s, "l3_restored_blocks") * m.block_bytes}, ["path"]),
+    _c("kvsidecar_blocks_withdrawn", "Blocks of queued reads withdrawn at a session's seal",
+       lambda s, m: _sess(s, "blocks_withdrawn")),
+    _c("kvsidecar_blocks_deduplicated", "Blocks a session awaited instead of reading twice",
+       lambda s, m: _sess(s, "blocks_deduplicated")),
+    _c("kvsidecar_reads_handed_over", "Queued reads a stopped session handed to waiters",
+       lambda s, m: _sess(s, "reads_handed_over")),
+    _c("kvsidecar_chunks_abandoned", "Reads left behind when the drain budget ran out",
+       lambda s, m: _sess(s, "chunks_abandoned")),
+    _c("kvsidecar_orphan_blocks", "Blocks of abandoned reads, resolved when the read ended",
+       lambda s, m: {"published": _sess(s, "orphan_blocks_published"), "dropped": _sess(s, "orphan_blocks_dropped")},
+       ["outcome"]),
+    _g("kvsidecar_orphan_reads", "Abandoned reads still in flight",
+       lambda s, m: s.sessions.orphans if s.sessions is not None else 0),
+    # -- bytes in and out, hits
+    _c("kvsidecar_l3_read_bytes", "Bytes read from L3 into the pool",
+       lambda s, m: _tier(s, "read_blocks_ok") * m.block_bytes),
+    _c("kvsidecar_engine_blocks", "Blocks leased to engine ranks by GET (each rank's answer)",
+       lambda s, m: _loop(s, "get_blocks")),
+    _c("kvsidecar_engine_bytes", "Bytes handed to the engine: each rank's leased blocks x the shard it copies",
+       lambda s, m: _loop(s, "get_blocks") * m.shard_bytes),
+    _c("kvsidecar_lookup_requested_tokens", "Tokens asked about (source: lookup op, prefetch session)",
+       lambda s, m: {"lookup": _loop(s, "lookup_requested_blocks") * m.tokens_per_block,
+                     "prefetch": _tokens(s, ("requested", ""))}, ["source"]),
+    _c("kvsidecar_lookup_hit_tokens", "Tokens of the contiguous hit prefix, by tier (cpu: the pool; l3: beyond it)",
+       lambda s, m: {("lookup", "cpu"): _loop(s, "lookup_hit_blocks") * m.tokens_per_block,
+                     ("prefetch", "cpu"): _tokens(s, ("hit", "cpu")), ("prefetch", "l3"): _tokens(s, ("hit", "l3"))},
+       ["source", "tier"]),
+    # -- pool
+    _g("kvsidecar_pool_blocks", "Pool blocks by state",
+       lambda s, m: {st.value: n for st, n in s.kv.pool.by_state().items()}, ["state"], "kv"),
+    _g("kvsidecar_reserved_bytes", "Staging not yet published", lambda s, m: s.kv.pool.staging * m.block_bytes,
+       part="kv"),
+    _g("kvsidecar_reserved_limit_bytes", "limits.reserved_bytes_limit",
+       lambda s, m: s.kv.pool.reserved_limit_blocks * m.block_bytes, part="kv"),
+    _g("kvsidecar_pinned_bytes", "Blocks pinned now", lambda s, m: s.kv.pool.pinned * m.block_bytes, part="kv"),
+    _g("kvsidecar_pinned_limit_bytes", "limits.pinned_bytes_limit",
+       lambda s, m: s.kv.pool.pinned_limit_blocks * m.block_bytes, part="kv"),
+    _c("kvsidecar_capacity_stops", "Admissions refused or cut, by the resource that ran out",
+       lambda s, m: _capacity_stops(s), ["resource"], "kv"),
+    _c("kvsidecar_pool_evicted_blocks", "Blocks evicted (LRU, unpinned leaves)", lambda s, m: s.kv.pool.evicted,
+       part="kv"),
+    # -- leases
+    _g("kvsidecar_leases", "Leases live, by kind",
+       lambda s, m: {k: v[0] for k, v in sorted(s.kv.leases_by_kind().items())}, ["kind"], "kv"),
+    _g("kvsidecar_lease_oldest_age_seconds", "Age of the oldest live lease, by kind (0: none)",
+       lambda s, m: {k: v[1] for k, v in sorted(s.kv.leases_by_kind().items())}, ["kind"], "kv"),
+    _c("kvsidecar_leases_released", "Leases dropped, by cause (internal: a store/restore/L3 PUT ended its own)",
+       lambda s, m: {c.value: s.kv.lease_drops.get(c, 0) for c in LeaseCause}, ["cause"], "kv"),
+    # -- clients and transport
+    _g("kvsidecar_ring_depth_bytes", "Bytes queued per client slot ring", lambda s, m: _ring_depths(s),
+       ["slot", "ring"]),
+    _g("kvsidecar_clients_attached", "Clients attached now", lambda s, m: sum(1 for c in s.loop.clients if c.attached)),
+    _c("kvsidecar_clients_reclaimed", "Clients whose death the sidecar saw and cleaned up",
+       lambda s, m: _loop(s, "clients_reclaimed")),
+    _c("kvsidecar_slot_exhaustions", "Attaches refused because every client slot was taken",
+       lambda s, m: _loop(s, "slot_exhaustions")),
+    _c("kvsidecar_requests", "Requests served (every op)", lambda s, m: _loop(s, "requests")),
+    _c("kvsidecar_protocol_errors", "Error completions, by code", lambda s, m: s.loop.error_counts(), ["code"]),
+    # -- L3
+    _c("kvsidecar_l3_errors", "L3 failures, by backend and code", lambda s, m: _l3_errors(s), ["backend", "code"],
+       "l3"),
+    _c("kvsidecar_l3_put_blocks", "Write-behind blocks: published, failed, skipped (L3 behind)",
+       lambda s, m: {"published": _loop(s, "l3_published_blocks"), "failed": _loop(s, "l3_put_failed_blocks"),
+                     "skipped": _loop(s, "l3_put_skipped_blocks")}, ["result"], "l3"),
+    _g("kvsidecar_l3_read_seconds_per_block_estimate", "The cost model's running estimate of one block's L3 read "
+       "(EWMA)", lambda s, m: _per_block(s), part="l3"),
+    _g("kvsidecar_l3_read_bandwidth_bytes_per_second_estimate", "Block bytes over that estimate",
+       lambda s, m: m.block_bytes / _per_block(s) if _per_block(s) else None, part="l3"),
+    _g("kvsidecar_l3_cost_latency_seconds", "The read-cost model's fixed cost of one L3 read (cost_aware's input; "
+       "the prior until reads are seen)", lambda s, m: s.l3.cost.latency_s, part="l3"),
+    _g("kvsidecar_l3_cost_seconds_per_block", "The read-cost model's per-block cost",
+       lambda s, m: s.l3.cost.s_per_block, part="l3"),
+    _g("kvsidecar_l3_cost_bandwidth_bytes_per_second", "Block bytes over that per-block cost",
+       lambda s, m: _bandwidth(m.block_bytes, s.l3.cost.s_per_block), part="l3"),
+    _g("kvsidecar_l3_cost_samples", "Reads the read-cost model has seen (0: the prior alone)",
+       lambda s, m: s.l3.cost.samples, part="l3"),
+    _g("kvsidecar_l3_cost_relative_error", "Mean |predicted - measured| / measured of its predictions",
+       lambda s, m: s.l3.cost.error, part="l3"),
+    _g("kvsidecar_l3_puts_in_flight", "Write-behind PUTs in flight", lambda s, m: s.l3.puts_in_flight, part="l3"),
+    _g("kvsidecar_l3_loads_in_flight", "Restore reads in flight", lambda s, m: s.l3.loads_in_flight, part="l3"),
+)
+
+
+def family(metric: Metric, value):
+    """The prometheus-client family of one table row and its getter's value."""
+    cls = GaugeMetricFamily if metric.kind == "gauge" else CounterMetricFamily
+    if not metric.labels:
+        return cls(metric.name, metric.help, value=value)
+    fam = cls(metric.name, metric.help, labels=list(metric.labels))
+    for key, v in value.items():
+        fam.add_metric([str(k) for k in key] if isinstance(key, tuple) else [str(key)], v)
+    return fam
+
+
 class _SnapshotCollector:
-    """Turns one control-thread snapshot into metric families (runs on the HTTP thread)."""
+    """Renders :data:`METRICS` from one control-thread snapshot (runs on the HTTP thread)."""
 
     def __init__(self, svc: MetricsService):
         self.svc = svc
@@ -244,142 +401,19 @@ class _SnapshotCollector:
     def collect(self):
         svc = self.svc
         snap, stale = svc.scrape_snapshot()
-        bb = svc.block_bytes
-        yield _gauge("kvsidecar_up", "1 while the sidecar serves", 1)
-        yield _gauge("kvsidecar_generation", "This incarnation's generation (bumped by every start)", svc.generation)
-        yield _gauge("kvsidecar_scrape_stale", "1: the control thread did not answer in time; last snapshot served",
-                     1 if stale else 0)
-        if not snap:
+        yield GaugeMetricFamily("kvsidecar_up", "1 while the sidecar serves", value=1)
+        yield GaugeMetricFamily("kvsidecar_generation", "This incarnation's generation (bumped by every start)",
+                                value=svc.generation)
+        yield GaugeMetricFamily("kvsidecar_scrape_stale", "1: the control thread did not answer in time; last "
+                                "snapshot served", value=1 if stale else 0)
+        if snap is None:
             return
-        c = snap["counters"]
-        s = snap["sessions"]
-        # -- sessions
-        started = CounterMetricFamily("kvsidecar_sessions_started", "Prefetch sessions started", labels=["policy"])
-        for p in sorted(set(POLICIES) | {k[8:] for k in s if k.startswith("started_")}):
-            started.add_metric([p], s.get(f"started_{p}", 0))
-        yield started
-        term = CounterMetricFamily("kvsidecar_sessions_terminal", "Prefetch sessions ended, by policy and status",
-                                   labels=["policy", "status"])
-        seen = snap["terminal"]
-        keys = {(p, st) for p in POLICIES for st in STATUSES} | set(seen)
-        for p, st in sorted(keys):
-            term.add_metric([p, st], seen.get((p, st), 0))
-        yield term
-        yield _labelled(GaugeMetricFamily, "kvsidecar_sessions", "Sessions by state now (terminal: kept for "
-                        "their GET until retained_ttl_s)", "state",
-                        {st: snap["sessions_by_state"].get(st, 0) for st in SESSION_STATES})
-        yield _counter("kvsidecar_restored_blocks", "Blocks read from L3 and published (session: prefetch, "
-                       "restore: the restore op)", {"session": s.get("restored_blocks", 0),
-                                                     "restore": c.get("l3_restored_blocks", 0)}, "path")
-        yield _counter("kvsidecar_restored_bytes", "Bytes of the restored blocks", {
-            "session": s.get("restored_blocks", 0) * bb, "restore": c.get("l3_restored_blocks", 0) * bb}, "path")
-        yield _counter("kvsidecar_blocks_withdrawn", "Blocks of queued reads withdrawn at a session's seal",
-                       s.get("blocks_withdrawn", 0))
-        yield _counter("kvsidecar_blocks_deduplicated", "Blocks a session awaited instead of reading twice",
-                       s.get("blocks_deduplicated", 0))
-        yield _counter("kvsidecar_reads_handed_over", "Queued reads a stopped session handed to waiters",
-                       s.get("reads_handed_over", 0))
-        yield _counter("kvsidecar_chunks_abandoned", "Reads left behind when the drain budget ran out",
-                       s.get("chunks_abandoned", 0))
-        yield _counter("kvsidecar_orphan_blocks", "Blocks of abandoned reads, resolved when the read ended",
-                       {"published": s.get("orphan_blocks_published", 0),
-                        "dropped": s.get("orphan_blocks_dropped", 0)}, "outcome")
-        yield _gauge("kvsidecar_orphan_reads", "Abandoned reads still in flight", snap["orphans"])
-        # -- bytes in and out, hits
-        tier = snap["tier"]
-        tc = tier["counters"] if tier else {}
-        yield _counter("kvsidecar_l3_read_bytes", "Bytes read from L3 into the pool", tc.get("read_blocks_ok", 0) * bb)
-        yield _counter("kvsidecar_engine_blocks", "Blocks leased to engine ranks by GET (each rank's answer)",
-                       c.get("get_blocks", 0))
-        yield _counter("kvsidecar_engine_bytes", "Bytes handed to the engine: each rank's leased blocks x the "
-                       "shard it copies", c.get("get_blocks", 0) * svc.core.layout.shard_bytes)
-        t = svc.core.layout.tokens_per_block
-        tok = snap["tokens"]
-        yield _counter("kvsidecar_lookup_requested_tokens", "Tokens asked about (source: lookup op, prefetch "
-                       "session)", {"lookup": c.get("lookup_requested_blocks", 0) * t,
-                                    "prefetch": tok.get(("requested", ""), 0)}, "source")
-        hit = CounterMetricFamily("kvsidecar_lookup_hit_tokens", "Tokens of the contiguous hit prefix, by tier "
-                                  "(cpu: the pool; l3: beyond it)", labels=["source", "tier"])
-        hit.add_metric(["lookup", "cpu"], c.get("lookup_hit_blocks", 0) * t)
-        hit.add_metric(["prefetch", "cpu"], tok.get(("hit", "cpu"), 0))
-        hit.add_metric(["prefetch", "l3"], tok.get(("hit", "l3"), 0))
-        yield hit
-        # -- pool
-        pool = snap["pool"]
-        yield _labelled(GaugeMetricFamily, "kvsidecar_pool_blocks", "Pool blocks by state", "state", {
-            "free": pool["free"], "staging": pool["staging"], "resident_pinned": pool["pinned"],
-            "resident_unpinned": pool["resident"] - pool["pinned"]})
-        yield _gauge("kvsidecar_reserved_bytes", "Staging not yet published", pool["staging"] * bb)
-        yield _gauge("kvsidecar_reserved_limit_bytes", "limits.reserved_bytes_limit", snap["reserved_limit_blocks"] * bb)
-        yield _gauge("kvsidecar_pinned_bytes", "Blocks pinned now", pool["pinned"] * bb)
-        yield _gauge("kvsidecar_pinned_limit_bytes", "limits.pinned_bytes_limit", snap["pinned_limit_blocks"] * bb)
-        ref = snap["refusals"]
-        yield _counter("kvsidecar_capacity_stops", "Admissions refused or cut, by the resource that ran out",
-                       {r: ref.get(r, 0) for r in sorted({"reserved", "pinned", "allocator"} | set(ref))}, "resource")
-        yield _counter("kvsidecar_pool_evicted_blocks", "Blocks evicted (LRU, unpinned leaves)", pool["evicted"])
-        # -- leases
-        kinds = snap["leases"]
-        all_kinds = sorted({"get", "prefetch", "l3_put", "store_prefix", "restore_prefix"} | set(kinds))
-        yield _labelled(GaugeMetricFamily, "kvsidecar_leases", "Leases live, by kind", "kind",
-                        {k: kinds.get(k, (0, 0.0))[0] for k in all_kinds})
-        yield _labelled(GaugeMetricFamily, "kvsidecar_lease_oldest_age_seconds", "Age of the oldest live lease, "
-                        "by kind (0: none)", "kind", {k: kinds.get(k, (0, 0.0))[1] for k in all_kinds})
-        causes = collections.Counter({v: 0 for v in LEASE_CAUSES.values()})
-        causes["internal"] = 0
-        for k, v in snap["lease_counters"].items():
-            if k.startswith("dropped_"):
-                causes[LEASE_CAUSES.get(k[8:], "internal")] += v
-        yield _counter("kvsidecar_leases_released", "Leases dropped, by cause (internal: a store/restore/L3 PUT "
-                       "ended its own)", dict(causes), "cause")
-        # -- clients and transport
-        ring = GaugeMetricFamily("kvsidecar_ring_depth_bytes", "Bytes queued per client slot ring",
-                                 labels=["slot", "ring"])
-        for slot, _attached, sub, comp in snap["clients"]:
-            ring.add_metric([str(slot), "submit"], sub)
-            ring.add_metric([str(slot), "completion"], comp)
-        yield ring
-        yield _gauge("kvsidecar_clients_attached", "Clients attached now", sum(1 for cl in snap["clients"] if cl[1]))
-        yield _counter("kvsidecar_clients_reclaimed", "Clients whose death the sidecar saw and cleaned up",
-                       c.get("clients_reclaimed", 0))
-        yield _counter("kvsidecar_slot_exhaustions", "Attaches refused because every client slot was taken",
-                       c.get("slot_exhaustions", 0))
-        yield _counter("kvsidecar_requests", "Requests served (every op)", c.get("requests", 0))
-        codes = {k[7:]: v for k, v in c.items() if k.startswith("errors_")}
-        yield _counter("kvsidecar_protocol_errors", "Error completions, by code", codes, "code")
-        # -- L3
-        if tier:
-            backend = tier["backend"]
-            name = str(backend.get("backend", "l3"))
-            errs = CounterMetricFamily("kvsidecar_l3_errors", "L3 failures, by backend and code", labels=["backend", "code"])
-            errs.add_metric([name, "lookup_error"], tc.get("lookup_errors", 0))
-            errs.add_metric([name, "read_failed_blocks"], tc.get("read_blocks_failed", 0))
-            errs.add_metric([name, "write_failed_blocks"], tc.get("put_blocks_failed", 0))
-            for k, v in sorted(backend.items()):
-                if k.startswith("err_") or k in ("read_corrupt", "write_error", "write_too_big"):
-                    errs.add_metric([name, k[4:] if k.startswith("err_") else k], v)
-            yield errs
-            yield _counter("kvsidecar_l3_put_blocks", "Write-behind blocks: published, failed, skipped (L3 behind)",
-                           {"published": c.get("l3_published_blocks", 0), "failed": c.get("l3_put_failed_blocks", 0),
-                            "skipped": c.get("l3_put_skipped_blocks", 0)}, "result")
-            per_block = tier["read_s_per_block"]
-            if per_block:
-                yield _gauge("kvsidecar_l3_read_seconds_per_block_estimate", "The cost model's running estimate "
-                             "of one block's L3 read (EWMA)", per_block)
-                yield _gauge("kvsidecar_l3_read_bandwidth_bytes_per_second_estimate", "Block bytes over that "
-                             "estimate", bb / per_block)
-            latency, s_block, samples, error = tier["cost"]
-            yield _gauge("kvsidecar_l3_cost_latency_seconds", "The read-cost model's fixed cost of one L3 read "
-                         "(cost_aware's input; the prior until reads are seen)", latency)
-            yield _gauge("kvsidecar_l3_cost_seconds_per_block", "The read-cost model's per-block cost", s_block)
-            yield _gauge("kvsidecar_l3_cost_bandwidth_bytes_per_second", "Block bytes over that per-block cost",
-                         bb / s_block if s_block > 0 else 0.0)
-            yield _gauge("kvsidecar_l3_cost_samples", "Reads the read-cost model has seen (0: the prior alone)", samples)
-            yield _gauge("kvsidecar_l3_cost_relative_error", "Mean |predicted - measured| / measured of its "
-                         "predictions", error)
-            ops = snap.get("l3ops")
-            if ops:
-                yield _gauge("kvsidecar_l3_puts_in_flight", "Write-behind PUTs in flight", ops["puts_in_flight"])
-                yield _gauge("kvsidecar_l3_loads_in_flight", "Restore reads in flight", ops["loads_in_flight"])
+        for metric in METRICS:
+            if metric.part is not None and getattr(snap, metric.part) is None:
+                continue
+            value = metric.getter(snap, svc)
+            if value is not None:
+                yield family(metric, value)
 
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
@@ -393,20 +427,3 @@ class _Server6(_Server):
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 (the stdlib's name)
         return None  # scrapes are not worth a log line each
-
-
-def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, values, label: str | None = None) -> CounterMetricFamily:
-    if label is None:
-        return CounterMetricFamily(name, doc, value=values)
-    return _labelled(CounterMetricFamily, name, doc, label, values)
-
-
-def _labelled(cls, name: str, doc: str, label: str, values: dict):
-    fam = cls(name, doc, labels=[label])
-    for k, v in values.items():
-        fam.add_metric([str(k)], v)
-    return fam

@@ -307,6 +307,14 @@ class SessionManager(Service):
                     del self.records[rec.key]
 
     def stats(self) -> dict:
-        by_state = collections.Counter(r.machine.state.value for r in self.records.values())
-        return {"sessions": {"by_state": dict(by_state), "outstanding_staging": self.pool.staged_blocks(),
-                             "orphans": len(self.pool.orphans), **dict(self.counters)}}
+        return self.snapshot().stats()
+
+    def snapshot(self):
+        """Live sessions and the counters as one typed snapshot (``kvsidecar.sidecar.observe.snapshot``;
+        the stats op, the inspector and Prometheus render it)."""
+        from kvsidecar.sidecar.observe.snapshot import Policy, SessionsSnapshot, session_rows
+
+        return SessionsSnapshot(rows=session_rows(self.records.values(), self.clock()),
+                                started={p: self.counters.get(f"started_{p.value}", 0) for p in Policy},
+                                counters=dict(self.counters), orphans=len(self.pool.orphans),
+                                outstanding_staging=self.pool.staged_blocks())

@@ -5,10 +5,17 @@ none of it needs locks.  Other threads (liveness monitor, L3 workers) hand work
 in through :meth:`Sidecar.post` (a deque plus a doorbell ring) and never touch
 state directly.
 
-The loop: serve every active client's submit ring, run posted events, rescan the
-slot table when a client bumped the epoch; when there is nothing to do, spin
-briefly, then sleep on the sidecar doorbell until a client or worker rings it or
-the next timer (``timers`` below) is due.  No periodic polling when idle.
+The loop: serve every client ring that has work (first: after a wake-up the command
+that woke us is the latency that counts), rescan the slot table when a client bumped
+the epoch, run posted events and due timers; when there is nothing to do, publish the
+stats if due, spin briefly, then sleep on the sidecar doorbell until a client or
+worker rings it or the next timer (``timers`` below) is due.  No periodic polling
+when idle.
+
+The loop is transport and dispatch only: the built-in ops (attach, detach, ping,
+stats) and the stats publishing are ``kvsidecar.sidecar.runtime.builtins``, mounted
+like any service; every completion is built by ``protocol.ok_completion`` or
+``protocol.error_completion`` (through :meth:`Sidecar._error`, which counts it).
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import time
 
 from kvsidecar.shm import protocol
 from kvsidecar.shm.control import (
-    SLOT_ACTIVE,
     SLOT_CLAIMED,
     SLOT_FREE,
     STATE_READY,
@@ -33,8 +39,10 @@ from kvsidecar.shm.control import (
 from kvsidecar.shm.errors import ErrorCode, ProtocolError
 from kvsidecar.shm.ring import Oversize, RingCorrupted
 
-from kvsidecar.sidecar.runtime.clients import ClientConn, ClientInfo
 from kvsidecar.sidecar.config import SidecarConfig
+from kvsidecar.sidecar.observe.snapshot import ClientSnapshot, LoopSnapshot, SidecarSnapshot
+from kvsidecar.sidecar.runtime.builtins import BuiltinOps, StatsPublisher
+from kvsidecar.sidecar.runtime.clients import ClientConn
 from kvsidecar.sidecar.runtime.liveness import LivenessMonitor
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 
@@ -42,7 +50,6 @@ log = logging.getLogger(__name__)
 
 MAX_IDLE_SLEEP_S = 30.0  # bound on any sleep, even with no timers at all
 EXHAUSTION_LOG_EVERY_S = 10.0  # at most one "slots exhausted" line per this (the counter is exact)
-BUILTIN_OPS = ("attach", "detach", "ping", "stats")
 
 
 class Sidecar:
@@ -58,14 +65,12 @@ class Sidecar:
         )
         self.doorbell = ctl.sidecar_doorbell
         self.clients: dict[int, ClientConn] = {}
-        self.handlers: dict[str, object] = {
-            "attach": self._op_attach,
-            "detach": self._op_detach,
-            "ping": self._op_ping,
-            "stats": self._op_stats,
-        }
+        self.handlers: dict[str, object] = {}
         self.services: list[Service] = []
-        self.counters: collections.Counter = collections.Counter()
+        self.counters: collections.Counter = collections.Counter()  # free-form: the loop's and services'
+        self.op_counts: collections.Counter = collections.Counter()  # op name -> dispatched
+        self.error_counts: collections.Counter = collections.Counter()  # ErrorCode -> error completions
+        self.rings_corrupted = 0
         self._events: collections.deque = collections.deque()
         self._timers: list = []  # heap of (due, seq, fn)
         self._timer_seq = itertools.count()
@@ -76,10 +81,10 @@ class Sidecar:
         self._exhaustion_logged_at = float("-inf")
         self._running = False
         self._stop_requested = False
-        self._stats_dirty = True
-        self._last_stats = 0.0
         self._woke_client = False  # this step's completions woke a sleeping client: no spin
         self.liveness = LivenessMonitor(self._on_client_dead)
+        self.publisher = StatsPublisher(ctl, self.snapshot, cfg.transport.stats_interval_ms * 1e-3)
+        self.mount(BuiltinOps(self, ctl, instance=cfg.instance, layout=layout, checksums=cfg.integrity.checksums))
 
     # -- cross-thread entry points -----------------------------------------------------------
     def post(self, fn, *args) -> None:
@@ -120,28 +125,20 @@ class Sidecar:
         self.ctl.set_state(STATE_READY)
         self._running = True
         spin_s = self.cfg.transport.sidecar_spin_us * 1e-6
-        stats_every = self.cfg.transport.stats_interval_ms * 1e-3
         log.info("sidecar %s ready (generation %d)", self.cfg.instance, self.ctl.generation)
         try:
             while not self._stop_requested:
                 worked = self._step()
-                now = time.monotonic()
                 if worked:
-                    self._stats_dirty = True
+                    self.publisher.dirty = True
                     continue
-                timeout = MAX_IDLE_SLEEP_S
-                if self._stats_dirty:
-                    # Publish at most every stats_every, never on the request path.
-                    due = self._last_stats + stats_every
-                    if now >= due:
-                        self._publish_stats(now)
-                    else:
-                        timeout = due - now
+                now = time.monotonic()
+                timeout = self.publisher.timeout(now, MAX_IDLE_SLEEP_S)  # never on the request path
                 if self._timers:
                     timeout = max(0.0, min(timeout, self._timers[0][0] - now))
                 spin = 0.0 if self._woke_client else spin_s
                 self._woke_client = False
-                self.doorbell.wait(self._has_work, timeout, spin)
+                self.doorbell.wait(self._has_work, timeout, spin, recheck=False)  # _step re-checks
         finally:
             self.ctl.set_state(STATE_STOPPING)
             self._running = False
@@ -151,7 +148,7 @@ class Sidecar:
         for conn in list(self.clients.values()):
             self._drop_client(conn, reason="shutdown", free_slot=False)
         self.liveness.stop()
-        self._publish_stats(time.monotonic())
+        self.publisher.publish(time.monotonic())
 
     def _has_work(self) -> bool:
         if self._events or self._stop_requested:
@@ -175,7 +172,16 @@ class Sidecar:
         return False
 
     def _step(self) -> bool:
+        """One pass: client rings first (after a wake-up the command that woke us is the
+        latency that counts; everything else is not waited on), then the slot table,
+        posted events and due timers."""
         worked = False
+        for conn in list(self.clients.values()):
+            # an idle client costs one ring-index load here, not a full serve
+            if not (conn.outbox or conn.detaching) and not conn.submit.has_data():
+                continue
+            if self._serve(conn):
+                worked = True
         epoch = self.ctl.slot_epoch
         if epoch != self._epoch_seen:
             self._epoch_seen = epoch
@@ -196,13 +202,6 @@ class Sidecar:
                     fn(*args)
                 except Exception:
                     log.exception("timer %r failed", fn)
-                worked = True
-        for conn in list(self.clients.values()):
-            # an idle client costs one ring-index load here, not a full serve (the first
-            # command after idle pays this scan once per attached client)
-            if not (conn.outbox or conn.detaching) and not conn.submit.has_data():
-                continue
-            if self._serve(conn):
                 worked = True
         return worked
 
@@ -267,7 +266,7 @@ class Sidecar:
             conn.submit.reset()
             conn.completion.reset()
             self.ctl.set_slot(conn.slot, 0, SLOT_FREE)
-        self._stats_dirty = True
+        self.publisher.dirty = True
 
     def _serve(self, conn: ClientConn) -> bool:
         """Handle a batch from one client; True if anything happened.
@@ -280,8 +279,8 @@ class Sidecar:
             return True
 
     def _ring_corrupted(self, conn: ClientConn, exc: RingCorrupted) -> None:
-        self.counters["errors_ring_corrupted"] += 1
-        n = self.counters["errors_ring_corrupted"]
+        self.rings_corrupted += 1
+        n = self.rings_corrupted
         if n <= 10 or n % 1000 == 0:  # a hostile client must not flood the log either
             log.warning("slot %d: %s; dropping the client (%d corrupt rings so far)", conn.slot, exc, n)
         self._drop_client(conn, reason="corrupt ring")
@@ -334,7 +333,7 @@ class Sidecar:
         if protocol.OP_SCHEMAS[op].kv and conn.info is not None and not conn.info.kv:
             return self._error(conn, rid, ErrorCode.NOT_ATTACHED,
                                f"{op} needs an attach with a KV layout (this client attached as an observer)")
-        self.counters[f"op_{op}"] += 1
+        self.op_counts[op] += 1
         try:
             result = handler(conn, msg)
         except OpError as exc:
@@ -346,21 +345,16 @@ class Sidecar:
             return self._error(conn, rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         if result is DEFERRED:
             return None
-        result["id"] = rid
-        result["ok"] = True
-        return result
+        return protocol.ok_completion(rid, result)
 
     def reply(self, conn: ClientConn, rid: int, result: dict | None = None, error=None) -> bool:
         """Complete a deferred request (control thread).  False if the client is gone."""
         if self.clients.get(conn.slot) is not conn:
             return False
         if error is not None:
-            code, message = error
-            completion = self._error(conn, rid, code, message)
+            completion = self._error(conn, rid, *error)
         else:
-            completion = dict(result or {})
-            completion["id"] = rid
-            completion["ok"] = True
+            completion = protocol.ok_completion(rid, dict(result or {}))
         try:
             conn.send(completion)
             conn.flush_outbox()
@@ -386,85 +380,22 @@ class Sidecar:
     def _error(self, conn: ClientConn, rid, code: ErrorCode, message: str) -> dict:
         conn.errors += 1
         self.counters["errors"] += 1
-        self.counters[f"errors_{code.name.lower()}"] += 1
+        self.error_counts[code] += 1
         return protocol.error_completion(rid, code, message)
 
-    # -- built-in ops ------------------------------------------------------------------------
-    def _op_attach(self, conn: ClientConn, msg: dict) -> dict:
-        if conn.attached:
-            raise OpError(ErrorCode.BAD_FIELD, "already attached")
-        if msg["instance"] != self.cfg.instance:
-            raise OpError(ErrorCode.BAD_FIELD, f"instance {msg['instance']!r} is not {self.cfg.instance!r}")
-        if msg["pid"] != conn.pid:
-            raise OpError(ErrorCode.NOT_OWNER, f"pid {msg['pid']} did not claim slot {conn.slot}")
-        if not 1 <= msg["group_size"] <= 1024 or msg["rank"] >= msg["group_size"]:
-            raise OpError(ErrorCode.BAD_FIELD, "rank must be < group_size <= 1024")
-        theirs = msg.get("layout")
-        if self.layout is not None and theirs is not None:
-            for key in sorted(set(self.layout) | set(theirs)):
-                if self.layout.get(key) != theirs.get(key):
-                    raise OpError(
-                        ErrorCode.LAYOUT_MISMATCH,
-                        f"layout field {key!r}: sidecar has {self.layout.get(key)!r}, client has {theirs.get(key)!r}",
-                    )
-        if theirs is not None:
-            for svc in self.services:
-                svc.validate_attach(conn, msg)
-        conn.info = ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"],
-                               kv=theirs is not None)
-        self.ctl.set_slot(conn.slot, conn.pid, SLOT_ACTIVE)
-        self.counters["attaches"] += 1
-        return {"slot": conn.slot, "generation": self.ctl.generation, "pool": self.ctl.pool_name,
-                "layout": self.layout or {}, "checksums": self.cfg.integrity.checksums}
-
-    def _op_detach(self, conn: ClientConn, msg: dict) -> dict:
-        conn.detaching = True
-        self.counters["detaches"] += 1
-        return {}
-
-    def _op_ping(self, conn: ClientConn, msg: dict) -> dict:
-        payload = msg.get("payload")
-        return {"payload": payload} if payload is not None else {}
-
-    def _op_stats(self, conn: ClientConn, msg: dict) -> dict:
-        out = {"stats": self.snapshot()}
-        if msg.get("check"):
-            out["invariants"] = self.check()
-        return out
-
     # -- observability -----------------------------------------------------------------------
-    def snapshot(self, status: bool = False) -> dict:
-        """Clients, counters and every service's stats; with ``status``, also their inspector
-        tables (what :meth:`_publish_stats` writes into the control segment)."""
+    def snapshot(self) -> SidecarSnapshot:
+        """The loop's own snapshot and every mounted service's (control thread: consistent)."""
+        now = time.monotonic()
         clients = []
         for conn in self.clients.values():
             info = conn.info
-            clients.append({
-                "slot": conn.slot, "pid": conn.pid, "attached": conn.attached,
-                "group": info.group if info else "", "rank": info.rank if info else -1,
-                "requests": conn.requests, "errors": conn.errors,
-                "outbox": len(conn.outbox), "detaching": conn.detaching,
-            })
-        snap = {
-            "instance": self.cfg.instance,
-            "generation": self.ctl.generation,
-            "pid": os.getpid(),
-            "clients": clients,
-            "counters": dict(self.counters),
-        }
-        for svc in self.services:
-            snap.update(svc.stats())
-        if status:
-            tables = {}
-            for svc in self.services:
-                tables.update(svc.status())
-            snap["status"] = tables
-        return snap
-
-    def _publish_stats(self, now: float) -> None:
-        self._last_stats = now
-        self._stats_dirty = False
-        try:
-            self.ctl.write_stats(self.snapshot(status=True))
-        except Exception:
-            log.exception("publishing stats failed")
+            clients.append(ClientSnapshot(
+                slot=conn.slot, pid=conn.pid, attached=conn.attached, group=info.group if info else "",
+                rank=info.rank if info else -1, requests=conn.requests, errors=conn.errors,
+                outbox=len(conn.outbox), detaching=conn.detaching, submit_depth=conn.submit.depth(),
+                completion_depth=conn.completion.depth(), connected_s=now - conn.created))
+        loop = LoopSnapshot(instance=self.cfg.instance, generation=self.ctl.generation, pid=os.getpid(),
+                            clients=tuple(clients), counters=dict(self.counters), ops=dict(self.op_counts),
+                            errors=dict(self.error_counts), rings_corrupted=self.rings_corrupted)
+        return SidecarSnapshot.of(loop, (svc.snapshot() for svc in self.services))

@@ -1,0 +1,346 @@
+"""One typed snapshot per service, taken on the control thread; every view renders from it.
+
+Each service's ``snapshot()`` returns one of the frozen dataclasses below (its ``PART`` names the
+field of :class:`SidecarSnapshot` it fills).  The three readers render the same object:
+
+* the ``stats`` op and the published stats blob: :meth:`SidecarSnapshot.stats` (each part's
+  ``stats()``: the wire format, unchanged);
+* the inspector's tables: ``kvsidecar.sidecar.observe.status.render_tables``;
+* Prometheus: the table in ``kvsidecar.sidecar.observe.metrics`` (name, help, getter, labels).
+
+Counters that a label is taken from are keyed by enums here (``ErrorCode``, ``Policy``,
+``State``, ``Status``, :class:`LeaseKind`, :class:`LeaseCause`, :class:`PoolState`), so no
+reader parses a counter's name.  A snapshot is a copy: it never aliases a service's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvsidecar.shm.errors import ErrorCode
+
+from kvsidecar.sidecar.prefetch.machine import Policy, State, Status
+
+RING_CORRUPTED = "ring_corrupted"  # the one error that is not a wire code: a client's ring broke
+
+
+class PoolState(str, enum.Enum):
+    FREE = "free"
+    STAGING = "staging"
+    RESIDENT_PINNED = "resident_pinned"
+    RESIDENT_UNPINNED = "resident_unpinned"
+
+
+class Resource(str, enum.Enum):
+    """What an admission ran out of (``PoolManager.refusals``' keys)."""
+
+    RESERVED = "reserved"
+    PINNED = "pinned"
+    ALLOCATOR = "allocator"
+
+
+class LeaseKind(str, enum.Enum):
+    GET = "get"
+    PREFETCH = "prefetch"
+    L3_PUT = "l3_put"
+    STORE_PREFIX = "store_prefix"
+    RESTORE_PREFIX = "restore_prefix"
+
+
+class LeaseCause(str, enum.Enum):
+    """Why a lease ended, as an operator asks about it (``LeaseTable.drop``'s reasons grouped)."""
+
+    RELEASED = "released"
+    HANDED_OFF = "handed_off"
+    TTL = "ttl"
+    CLIENT_GONE = "client_gone"
+    ABORTED = "aborted"
+    INTERNAL = "internal"  # a store / restore / L3 PUT ended its own lease
+
+    @classmethod
+    def of(cls, reason: str) -> "LeaseCause":
+        return _CAUSES.get(reason, cls.INTERNAL)
+
+
+_CAUSES = {"released": LeaseCause.RELEASED, "handed_off": LeaseCause.HANDED_OFF, "expired": LeaseCause.TTL,
+           "client_gone": LeaseCause.CLIENT_GONE, "group_gone": LeaseCause.CLIENT_GONE,
+           "aborted": LeaseCause.ABORTED}
+
+
+def _names(counter: dict, prefix: str) -> dict:
+    return {f"{prefix}{k.name.lower() if isinstance(k, ErrorCode) else k}": v for k, v in counter.items()}
+
+
+def owner_text(lease) -> str:
+    """Who holds a lease, for people: a client slot, a TP group, a session, an L3 PUT, ..."""
+    if lease.group is not None:
+        return f"group {lease.group}"
+    owner = lease.owner
+    if isinstance(owner, tuple) and len(owner) == 2:
+        who, what = owner
+        if isinstance(who, int):
+            return f"slot {who}"
+        return f"{who} {what}"
+    return str(owner)
+
+
+def lease_rows(leases, now: float) -> tuple:
+    """Every live lease (``kvsidecar.sidecar.kv.leases.Lease``), oldest first."""
+    return tuple(LeaseRow(lease=x.id, kind=x.kind, owner=owner_text(x), blocks=x.count, age_s=now - x.created,
+                          ttl_s=x.deadline - now if x.deadline != float("inf") else None)
+                 for x in sorted(leases, key=lambda x: x.created))
+
+
+def session_rows(records, now: float) -> tuple:
+    """Every live session record (``kvsidecar.sidecar.prefetch.records.Record``), oldest first."""
+    out = []
+    for rec in sorted(records, key=lambda r: r.created):
+        m = rec.machine
+        out.append(SessionRow(session=rec.id, request=str(rec.key[1]), group=str(rec.key[0]), policy=rec.policy,
+                              state=m.state, status=m.status, published=m.published, target=m.target,
+                              total=m.p.total, age_s=now - rec.created, demanded=rec.demanded))
+    return tuple(out)
+
+
+# -- the loop ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ClientSnapshot:
+    slot: int
+    pid: int
+    attached: bool
+    group: str
+    rank: int
+    requests: int
+    errors: int
+    outbox: int
+    detaching: bool
+    submit_depth: int
+    completion_depth: int
+    connected_s: float
+
+    def stats(self) -> dict:
+        return {"slot": self.slot, "pid": self.pid, "attached": self.attached, "group": self.group,
+                "rank": self.rank, "requests": self.requests, "errors": self.errors, "outbox": self.outbox,
+                "detaching": self.detaching}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSnapshot:
+    """The control loop's own state: clients and counters.  ``counters`` holds the free-form
+    ones (services add theirs to the loop's bag); ops and errors are keyed by what they count."""
+
+    PART = "loop"
+    instance: str
+    generation: int
+    pid: int
+    clients: tuple[ClientSnapshot, ...]
+    counters: dict  # name -> count (requests, errors, attaches, and the services' own)
+    ops: dict  # op name -> requests dispatched to it
+    errors: dict  # ErrorCode -> error completions
+    rings_corrupted: int
+
+    def error_counts(self) -> dict:
+        """Error completions by label value: every wire code (0 when none) and ``ring_corrupted``."""
+        out = {code.name.lower(): self.errors.get(code, 0) for code in ErrorCode}
+        out[RING_CORRUPTED] = self.rings_corrupted
+        return out
+
+    def stats(self) -> dict:
+        counters = dict(self.counters)
+        counters.update(_names(self.ops, "op_"))
+        counters.update(_names(self.errors, "errors_"))
+        if self.rings_corrupted:
+            counters[f"errors_{RING_CORRUPTED}"] = self.rings_corrupted
+        return {"instance": self.instance, "generation": self.generation, "pid": self.pid,
+                "clients": [c.stats() for c in self.clients], "counters": counters}
+
+
+# -- kv ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PoolSnapshot:
+    blocks: int
+    block_bytes: int
+    free: int
+    staging: int
+    resident: int
+    pinned: int
+    evictable: int
+    evicted: int
+    reserved_limit_blocks: int
+    pinned_limit_blocks: int
+
+    def by_state(self) -> dict:
+        return {PoolState.FREE: self.free, PoolState.STAGING: self.staging,
+                PoolState.RESIDENT_PINNED: self.pinned, PoolState.RESIDENT_UNPINNED: self.resident - self.pinned}
+
+    def stats(self) -> dict:
+        return {"blocks": self.blocks, "block_bytes": self.block_bytes, "free": self.free, "staging": self.staging,
+                "resident": self.resident, "pinned": self.pinned, "evictable": self.evictable,
+                "evicted": self.evicted}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRow:
+    lease: int
+    kind: str
+    owner: str
+    blocks: int
+    age_s: float
+    ttl_s: float | None  # None: no deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSnapshot:
+    PART = "kv"
+    pool: PoolSnapshot
+    leases: tuple[LeaseRow, ...]  # oldest first, every live lease
+    lease_counters: dict  # LeaseTable's own counters (wire)
+    lease_drops: dict  # LeaseCause -> leases dropped
+    refusals: dict  # resource -> admissions refused or cut
+    store: dict
+    decisions: dict
+
+    def leases_by_kind(self) -> dict:
+        """kind -> (live, oldest age s); every :class:`LeaseKind` present, and any other kind seen."""
+        out = {k.value: (0, 0.0) for k in LeaseKind}
+        for row in self.leases:
+            n, oldest = out.get(row.kind, (0, 0.0))
+            out[row.kind] = (n + 1, max(oldest, row.age_s))
+        return out
+
+    def stats(self) -> dict:
+        ages = [row.age_s for row in self.leases]
+        return {"pool": self.pool.stats(),
+                "leases": {"live": len(self.leases), "oldest_age_s": round(max(ages), 3) if ages else 0.0,
+                           **self.lease_counters},
+                "store": dict(self.store), "decisions": dict(self.decisions)}
+
+
+# -- prefetch sessions ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SessionRow:
+    session: int
+    request: str
+    group: str
+    policy: str
+    state: State
+    status: Status | None
+    published: int
+    target: int
+    total: int
+    age_s: float
+    demanded: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionsSnapshot:
+    PART = "sessions"
+    rows: tuple[SessionRow, ...]  # oldest first, every live record
+    started: dict  # Policy -> sessions started
+    counters: dict  # SessionManager's own counters (wire; ``started_*`` included)
+    orphans: int
+    outstanding_staging: int
+
+    def by_state(self) -> dict:
+        out = {st: 0 for st in State}
+        for row in self.rows:
+            out[row.state] += 1
+        return out
+
+    def count(self, name: str) -> int:
+        return self.counters.get(name, 0)
+
+    def stats(self) -> dict:
+        by_state = {st.value: n for st, n in self.by_state().items() if n}
+        return {"sessions": {"by_state": by_state, "outstanding_staging": self.outstanding_staging,
+                             "orphans": self.orphans, **self.counters}}
+
+
+# -- L3 ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CostSnapshot:
+    latency_s: float
+    s_per_block: float
+    samples: int
+    error: float
+
+
+@dataclasses.dataclass(frozen=True)
+class L3Snapshot:
+    PART = "l3"
+    block_bytes: int
+    counters: dict  # the tier's counters (read_blocks_ok, lookup_errors, ...)
+    backend: dict  # the backend's own stats (its name under "backend")
+    read_s_per_block: float | None
+    cost: CostSnapshot
+    lanes: dict  # meta / read / write / pool_populate: free-form, for debugging
+    puts_in_flight: int
+    put_backlog_blocks: int
+    loads_in_flight: int
+
+    @property
+    def backend_name(self) -> str:
+        return str(self.backend.get("backend", "l3"))
+
+    def stats(self) -> dict:
+        c = self.cost
+        cost = {"latency_ms": round(c.latency_s * 1e3, 3), "s_per_block_us": round(c.s_per_block * 1e6, 3),
+                "mb_per_s": round(self.block_bytes / c.s_per_block / 1e6, 3) if c.s_per_block > 0 else 0.0,
+                "samples": c.samples, "error": round(c.error, 4)}
+        return {"l3": {**self.counters, "cost": cost, **self.lanes, "backend": dict(self.backend),
+                       "puts_in_flight": self.puts_in_flight, "put_backlog_blocks": self.put_backlog_blocks,
+                       "loads_in_flight": self.loads_in_flight}}
+
+
+# -- metrics (its own bookkeeping) ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MetricsSnapshot:
+    PART = "metrics"
+    port: int
+    scrapes: int
+    stale_scrapes: int
+    terminal: dict  # (Policy value, Status value) -> sessions ended
+    tokens: dict  # ("requested", "") | ("hit", tier) -> tokens
+
+    def stats(self) -> dict:
+        return {"metrics": {"port": self.port, "scrapes": self.scrapes, "stale_scrapes": self.stale_scrapes}}
+
+
+# -- the whole sidecar ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SidecarSnapshot:
+    """Every mounted service's snapshot, taken in one control-thread pass (consistent)."""
+
+    loop: LoopSnapshot
+    kv: KVSnapshot | None = None
+    sessions: SessionsSnapshot | None = None
+    l3: L3Snapshot | None = None
+    metrics: MetricsSnapshot | None = None
+
+    @classmethod
+    def of(cls, loop: LoopSnapshot, parts) -> "SidecarSnapshot":
+        fields = {}
+        for part in parts:
+            if part is None:
+                continue
+            if part.PART in fields:
+                raise ValueError(f"two services snapshot {part.PART!r}")
+            fields[part.PART] = part
+        return cls(loop=loop, **fields)
+
+    def parts(self) -> list:
+        return [p for p in (self.loop, self.kv, self.sessions, self.l3, self.metrics) if p is not None]
+
+    def stats(self) -> dict:
+        """The ``stats`` op's answer (its wire format)."""
+        out: dict = {}
+        for part in self.parts():
+            out.update(part.stats())
+        return out
+
+
+__all__ = ["ClientSnapshot", "CostSnapshot", "KVSnapshot", "L3Snapshot", "LeaseCause", "LeaseKind", "LeaseRow",
+           "LoopSnapshot", "MetricsSnapshot", "Policy", "PoolSnapshot", "PoolState", "Resource", "SessionRow",
+           "SessionsSnapshot", "SidecarSnapshot", "State", "Status", "RING_CORRUPTED", "lease_rows", "owner_text",
+           "session_rows"]
