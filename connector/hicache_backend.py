@@ -132,6 +132,7 @@ class KvSidecarHiCacheStorage(_Base):
         self.layout: KVLayout | None = None
         self.conns: ConnectionPool | None = None
         self.plugin_driven = False  # set by kvsidecar.connector.sglang_plugin once its hooks are applied
+        self.eta_source = None  # cost_aware: (rid, attempt) -> (eta_s, prefill_s_per_block), set by the plugin
         self._bound = threading.local()
         self._lock = threading.Lock()
         self._sessions: dict[tuple, SessionRef] = {}
@@ -358,10 +359,15 @@ class KvSidecarHiCacheStorage(_Base):
             ref.demanded = early == "demand"
             self._register_locked(ref)
 
+        eta_s, prefill_s_per_block = (None, None)
+        if policy == "cost_aware" and self.eta_source is not None:
+            eta_s, prefill_s_per_block = self.eta_source(rid, attempt)
+
         def run(c):
             view = c.prefetch(chain, rid, attempt=attempt, policy=policy, budget_s=s.budget_s,
                               chunk_max_blocks=s.chunk_max_blocks or None,
-                              tokens=len(keys) * self.layout.tokens_per_block)
+                              tokens=len(keys) * self.layout.tokens_per_block, eta_s=eta_s,
+                              prefill_s_per_block=prefill_s_per_block)
             self._count("sessions_joined" if view.get("existed") else "sessions_started")
             with self._lock:
                 demanded, ended = ref.demanded, ref.ended
