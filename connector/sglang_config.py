@@ -62,6 +62,7 @@ class PluginConfig:
     populate: str = "background"  # each connection's pool mapping (see kvsidecar.connector.kv_client)
     max_connections: int = 4  # sidecar connections (client slots) per rank, shared by its threads
     verify_loads: str = "sample"  # off | sample | all: check leased bytes against their checksums
+    timeline: bool = False  # log one "kvsidecar-timeline" line per storage phase of each request (benchmarks)
     sessions: SessionConfig = SessionConfig()
 
     def __post_init__(self):

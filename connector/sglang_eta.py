@@ -175,7 +175,8 @@ class SchedulerEta:
         # (iteration, tuple of (rid, tokens_ahead)) of the last ``history`` iterations (tests)
         self.history: collections.deque = collections.deque(maxlen=history or None) if history else None
         self.iteration = 0
-        self.scheduler = None  # weakref to SGLang's Scheduler, bound by the BEFORE hook
+        self.sent_log: collections.deque = collections.deque(maxlen=256)  # (rid, eta_s, state), newest last
+        self.scheduler = None  # SGLang's Scheduler, bound by the BEFORE hook
 
     # -- scheduler thread ------------------------------------------------------------------------
     def on_iteration(self, scheduler) -> None:
@@ -222,6 +223,7 @@ class SchedulerEta:
         try:
             self._q.put_nowait(updates)
             self.counters["batches"] += 1
+            self.counters["planned"] += len(updates)
         except queue.Full:
             self.counters["batches_dropped"] += 1
 
@@ -232,8 +234,11 @@ class SchedulerEta:
                 return
             for u in batch:
                 try:
-                    self._send(u)
+                    state = self._send(u)
+                    self.sent_log.append((u.rid, round(u.eta_s, 6), state))
                     self.counters["sent"] += 1
+                    if isinstance(state, str):  # the session's state as the sidecar answered
+                        self.counters[f"sent_{state}"] += 1
                 except Exception:  # a failed update only leaves the sidecar's older ETA in place
                     self.counters["send_failed"] += 1
                     log.debug("kvsidecar ETA update for %s failed", u.rid, exc_info=True)

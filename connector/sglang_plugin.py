@@ -55,9 +55,10 @@ demand or abort, stopped by kvsidecar's deadline).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
-import weakref
+import time
 
 from .hicache_backend import KvSidecarHiCacheStorage
 from .sglang_eta import SchedulerEta
@@ -92,8 +93,13 @@ def _bound_call(original, controller, operation, *args, **kwargs):
     if backend is None:
         return original(controller, operation, *args, **kwargs)
     handle = operation.handle
-    with backend.bind(handle.rid, getattr(handle, "attempt_id", 0)):
-        return original(controller, operation, *args, **kwargs)
+    t0 = time.perf_counter()
+    try:
+        with backend.bind(handle.rid, getattr(handle, "attempt_id", 0)):
+            return original(controller, operation, *args, **kwargs)
+    finally:
+        if backend.trace is not None:
+            backend.trace(handle.rid, original.__name__.lstrip("_"), t0, time.perf_counter())
 
 
 def hooks_applied() -> dict[str, bool]:
@@ -112,7 +118,7 @@ def _eta_before_prefill(scheduler, *args, **kwargs):
     eta = getattr(getattr(scheduler, "tree_cache", None), "_kvs_eta", None)
     if eta is not None:
         try:
-            eta.scheduler = weakref.ref(scheduler)
+            eta.scheduler = scheduler  # lives as long as the process
             eta.on_iteration(scheduler)
         except Exception:  # pragma: no cover - a bug here must not stop SGLang
             eta.counters["hook_errors"] += 1
@@ -152,8 +158,7 @@ def radix_cache_class():
         def prefetch_from_storage(self, request, *args, **kwargs):
             eta = self._kvs_eta
             if eta is not None:  # the scheduler thread, just before the request joins waiting_queue
-                ref = eta.scheduler
-                eta.at_queue_entry(ref() if ref is not None else None, request.rid, request.attempt_id)
+                eta.at_queue_entry(eta.scheduler, request.rid, request.attempt_id)
             return super().prefetch_from_storage(request, *args, **kwargs)
 
         def check_prefetch_progress(self, request) -> bool:
@@ -208,6 +213,8 @@ def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
         raise KvSidecarPluginError(f"kvsidecar plugin hooks not applied on {CONTROLLER}: {missing} "
                                    "(is the sglang.srt.plugins entry point installed? SGLANG_PLUGINS?)")
     backend.plugin_driven = True
+    if backend.config.timeline:
+        backend.trace = _timeline_logger(backend.rank)
     s = backend.config.sessions
     log.info("kvsidecar plugin active (rank %d/%d, group %r): radix cache %s, hooks %s applied, SGLang policy "
              "%s, kvsidecar policy %s, chunk_max_blocks %s, budget %s", backend.rank, backend.tp_size, backend.group,
@@ -216,13 +223,23 @@ def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
     return backend
 
 
+def _timeline_logger(rank: int):
+    """``config.timeline``: one log line per storage phase of a request (time.perf_counter, i.e.
+    CLOCK_MONOTONIC: comparable with a client's clock on the same host)."""
+    def trace(rid, phase, t0, t1):
+        log.info("kvsidecar-timeline %s", json.dumps({"rank": rank, "rid": str(rid), "phase": phase,
+                                                      "t0": round(t0, 6), "t1": round(t1, 6)}))
+    return trace
+
+
 def eta_for(backend: KvSidecarHiCacheStorage) -> SchedulerEta | None:
     """cost_aware's ETA source for this rank (None for the other policies): rank 0 sends."""
     if backend.config.sessions.policy != "cost_aware":
         return None
 
     def send(u):
-        backend._call(lambda c: c.poll(u.rid, attempt=u.attempt, eta_s=u.eta_s), None)
+        view = backend._call(lambda c: c.poll(u.rid, attempt=u.attempt, eta_s=u.eta_s), None)
+        return (view or {}).get("state", "unavailable")
 
     def tracked(rid, attempt):
         return backend.session(rid, attempt) is not None
