@@ -85,6 +85,7 @@ class Reply:
     output_ids: list
     storage_tokens: int  # SGLang's cached_tokens_details.storage
     cached_tokens: int
+    sent_at: float = 0.0  # time.perf_counter() when the request was sent (CLOCK_MONOTONIC)
 
 
 def stream_generate(port: int, ids: list, max_new_tokens: int = 4, rid: str | None = None,
@@ -114,7 +115,7 @@ def stream_generate(port: int, ids: list, max_new_tokens: int = 4, rid: str | No
     meta = (last or {}).get("meta_info", {})
     return Reply(ttft if ttft is not None else e2e, e2e, list((last or {}).get("output_ids", [])),
                  int((meta.get("cached_tokens_details") or {}).get("storage", 0) or 0),
-                 int(meta.get("cached_tokens", 0) or 0))
+                 int(meta.get("cached_tokens", 0) or 0), t0)
 
 
 def flush_cache(port: int, timeout_s: float = 60) -> None:

@@ -110,7 +110,8 @@ def rows(trials: list, speeds: list) -> list:
             key = arm if arm in ("no_prefetch", "sglang_file") else f"{arm}@{mbps:g}"
             samples = [t[key] for t in trials if key in t]
             if samples:
-                agg = aggregate([{k: v for k, v in s.items() if k != "storage_tokens"} for s in samples])
+                agg = aggregate([{k: v for k, v in s.items() if k not in ("storage_tokens", "probe", "client_timeline")}
+                                 for s in samples])
                 arms[arm] = {**agg, "ttft_p50_ms": agg["ttft_p50_ms"]["median"],
                              "ttft_p90_ms": agg["ttft_p90_ms"]["median"], "trials": agg}
         out.append({"l3": {"bandwidth_mbps": mbps}, "arms": arms})
@@ -211,7 +212,7 @@ class Bench:
         instance = self._instance()
         cfg = self.work / f"kvsidecar-{tag}.toml"
         cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.05\n'
-                       'verify_loads = "off"\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n')
+                       'verify_loads = "off"\ntimeline = true\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n')
         side_log = open(self.work / f"sidecar-{tag}.log", "ab")
         holder = {}
 
@@ -271,7 +272,8 @@ class Bench:
         flush_pool()
         replies = run_stream(port, wl, tag)
         res = {"ttft_s": [r.ttft_s for r in replies], "storage": [r.storage_tokens for r in replies],
-               "outputs": [r.output_ids for r in replies]}
+               "outputs": [r.output_ids for r in replies],
+               "timeline": {f"{tag}-{i}": [round(r.sent_at, 6), round(r.ttft_s, 6)] for i, r in enumerate(replies)}}
         # the hit probe: cold, then after SGLang's flush a storage hit (kvsidecar: its pool)
         cold, hit, ok, hit_storage = [], [], True, []
         for j, p in enumerate(wl.probes):
@@ -283,6 +285,8 @@ class Bench:
             b = stream_generate(port, list(p), 4, rid=f"{tag}-probe{j}-hit")
             cold.append(a.ttft_s)
             hit.append(b.ttft_s)
+            res["timeline"][f"{tag}-probe{j}-cold"] = [round(a.sent_at, 6), round(a.ttft_s, 6)]
+            res["timeline"][f"{tag}-probe{j}-hit"] = [round(b.sent_at, 6), round(b.ttft_s, 6)]
             hit_storage.append(b.storage_tokens)
             ok = ok and a.output_ids == b.output_ids
         res["probe"] = {"cold_ms": [round(x * 1e3, 2) for x in cold], "hit_ms": [round(x * 1e3, 2) for x in hit],
@@ -322,7 +326,8 @@ class Bench:
         out = {}
         for key, res in raw.items():
             out[key] = {**summarize(res["ttft_s"], res["storage"], res["outputs"] == cold),
-                        "probe": res["probe"]}
+                        "probe": res["probe"], "client_timeline": res["timeline"]}
+        out["server_logs"] = [str(p) for p in sorted(self.work.glob("server-*.log"))]
         return out
 
 
@@ -342,7 +347,7 @@ def _drain_puts(c, deadline=None):
 def probe_table(trials: list) -> dict:
     """Per arm: median cold / hit TTFT of the hit probe (all trials pooled)."""
     out = {}
-    for key in sorted({k for t in trials for k in t}):
+    for key in sorted({k for t in trials for k in t if k != "server_logs"}):
         cold = [x for t in trials if key in t for x in t[key]["probe"]["cold_ms"]]
         hit = [x for t in trials if key in t for x in t[key]["probe"]["hit_ms"]]
         st = [x for t in trials if key in t for x in t[key]["probe"]["hit_storage_tokens"]]
