@@ -51,3 +51,24 @@ def test_rows_aggregate_trials_and_judge_cost_aware():
     assert v["ttft_p50_ms"]["met"] and v["ttft_p90_ms"]["met"]
     v = verdicts(slow)
     assert not v["ttft_p50_ms"]["met"] and v["ttft_p50_ms"]["bound"] == pytest.approx(84.0)
+
+
+def test_timeline_breakdown_splits_ttft_into_phases():
+    from scripts.sglang_timeline import breakdown, parse_log
+
+    def line(rank, rid, phase, t0, t1):
+        return ('[2026 TP0] kvsidecar-timeline {"rank": %d, "rid": "%s", "phase": "%s", "t0": %s, "t1": %s}'
+                % (rank, rid, phase, t0, t1))
+
+    lines = [line(0, "r", "prefetch", 10.010, 10.012), line(0, "r", "query_wait", 10.012, 10.015),
+             line(0, "r", "storage_hit_query", 10.010, 10.020), line(1, "r", "storage_hit_query", 10.0, 11.0),
+             line(0, "r", "get_wait", 10.030, 10.031), line(0, "r", "copy", 10.032, 10.040),
+             line(0, "r", "page_transfer", 10.030, 10.045), "unrelated line", "kvsidecar-timeline {bad json"]
+    phases = parse_log(lines, rank=0)
+    assert set(phases) == {"r"} and phases["r"]["storage_hit_query"] == [(10.010, 10.020)]
+    b = breakdown(10.0, 0.1, phases["r"])
+    assert b == {"ttft": 100.0, "to_query": pytest.approx(10.0), "query": pytest.approx(10.0),
+                 "to_transfer": pytest.approx(10.0), "transfer": pytest.approx(15.0), "after": pytest.approx(55.0),
+                 "prefetch": pytest.approx(2.0), "query_wait": pytest.approx(3.0), "get_wait": pytest.approx(1.0),
+                 "get": 0.0, "verify": 0.0, "copy": pytest.approx(8.0), "release": 0.0}
+    assert breakdown(10.0, 0.1, {}) is None
