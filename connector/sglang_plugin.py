@@ -218,7 +218,8 @@ def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
     s = backend.config.sessions
     log.info("kvsidecar plugin active (rank %d/%d, group %r): radix cache %s, hooks %s applied, SGLang policy "
              "%s, kvsidecar policy %s, chunk_max_blocks %s, budget %s", backend.rank, backend.tp_size, backend.group,
-             RADIX_CACHE_BACKEND, "+".join(HOOKED_METHODS), prefetch_stop_policy, s.policy,
+             RADIX_CACHE_BACKEND, "+".join(HOOKED_METHODS + ((ETA_HOOKED_METHOD,) if eta_hook_applied() else ())),
+             prefetch_stop_policy, s.policy,
              s.chunk_max_blocks or "sidecar default", s.budget_s or "sidecar formula")
     return backend
 
@@ -238,7 +239,10 @@ def eta_for(backend: KvSidecarHiCacheStorage) -> SchedulerEta | None:
         return None
 
     def send(u):
+        t0 = time.perf_counter()
         view = backend._call(lambda c: c.poll(u.rid, attempt=u.attempt, eta_s=u.eta_s), None)
+        if backend.trace is not None:
+            backend.trace(u.rid, "eta_sent", t0, time.perf_counter())
         return (view or {}).get("state", "unavailable")
 
     def tracked(rid, attempt):
@@ -246,6 +250,12 @@ def eta_for(backend: KvSidecarHiCacheStorage) -> SchedulerEta | None:
 
     eta = SchedulerEta(backend.layout.tokens_per_block, sender=backend.rank == 0, send=send, tracked=tracked)
     backend.eta_source = eta.prefetch_inputs
+    if backend.trace is not None:  # timeline: the ETA inputs each session starts with (-1: unknown)
+        def traced(rid, attempt):
+            eta_s, per_block = eta.prefetch_inputs(rid, attempt)
+            backend.trace(rid, "eta_input", -1.0 if eta_s is None else eta_s, -1.0 if per_block is None else per_block)
+            return eta_s, per_block
+        backend.eta_source = traced
     return eta
 
 

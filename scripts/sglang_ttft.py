@@ -110,7 +110,7 @@ def rows(trials: list, speeds: list) -> list:
             key = arm if arm in ("no_prefetch", "sglang_file") else f"{arm}@{mbps:g}"
             samples = [t[key] for t in trials if key in t]
             if samples:
-                agg = aggregate([{k: v for k, v in s.items() if k not in ("storage_tokens", "probe", "client_timeline")}
+                agg = aggregate([{k: v for k, v in s.items() if k not in ("storage_tokens", "probe", "client_timeline", "sidecar")}
                                  for s in samples])
                 arms[arm] = {**agg, "ttft_p50_ms": agg["ttft_p50_ms"]["median"],
                              "ttft_p90_ms": agg["ttft_p90_ms"]["median"], "trials": agg}
@@ -167,6 +167,8 @@ class Bench:
     speeds: list
     trials: int
     wl_args: dict
+    setups: tuple = ("no_prefetch", "sglang_file", "kvsidecar")
+    kvs_arms: tuple = ("whole_task", "timeout", "cost_aware")
     instance_prefix: str = "kvsttft"
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -246,8 +248,10 @@ class Bench:
                     s = c.stats()
                     return s["store"].get("published_blocks", 0) if not s["l3"].get("puts_in_flight", 0) else -1
 
-                out[f"{arm}@{mbps:g}"] = self._measure(srv.port, wl, f"{tag}-{arm}-{mbps:g}", flush_pool, stored,
-                                                       arm)
+                res = self._measure(srv.port, wl, f"{tag}-{arm}-{mbps:g}", flush_pool, stored, arm)
+                st = c.stats()
+                res["sidecar"] = {"sessions": st.get("sessions", {}), "l3": st.get("l3", {})}
+                out[f"{arm}@{mbps:g}"] = res
         finally:
             srv.stop()
             if "sc" in holder:
@@ -308,12 +312,13 @@ class Bench:
     def trial(self, k: int) -> dict:
         wl = make_workload(1000 + k, **self.wl_args)
         tag = f"t{k}"
-        kvs_order = [(m, a) for m in self.speeds for a in ("whole_task", "timeout", "cost_aware")]
+        kvs_order = [(m, a) for m in self.speeds for a in self.kvs_arms]
         rot = k % len(kvs_order)
         kvs_order = kvs_order[rot:] + kvs_order[:rot]
         setups = [("no_prefetch", lambda: self.arm_no_prefetch(wl, tag)),
                   ("sglang_file", lambda: self.arm_sglang_file(wl, tag)),
                   ("kvsidecar", lambda: self.arm_kvsidecar(wl, tag, kvs_order))]
+        setups = [s for s in setups if s[0] in self.setups]
         r = k % len(setups)
         if r:  # interleaved: the set-ups rotate between trials; cold first needs no_prefetch earlier
             setups = setups[r:] + setups[:r]
@@ -322,11 +327,13 @@ class Bench:
             t = time.monotonic()
             raw.update(run())
             log.info("trial %d: %s done in %.0f s", k, name, time.monotonic() - t)
-        cold = raw["no_prefetch"]["outputs"]
+        cold = raw["no_prefetch"]["outputs"] if "no_prefetch" in raw else None
         out = {}
         for key, res in raw.items():
-            out[key] = {**summarize(res["ttft_s"], res["storage"], res["outputs"] == cold),
+            out[key] = {**summarize(res["ttft_s"], res["storage"], cold is None or res["outputs"] == cold),
                         "probe": res["probe"], "client_timeline": res["timeline"]}
+            if "sidecar" in res:
+                out[key]["sidecar"] = res["sidecar"]
         out["server_logs"] = [str(p) for p in sorted(self.work.glob("server-*.log"))]
         return out
 
@@ -366,6 +373,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fast-mbps", type=float, default=2000.0, help="L3 faster than recompute")
     ap.add_argument("--slow-mbps", type=float, default=80.0, help="L3 slower than recompute")
     ap.add_argument("--work", default=None, help="scratch folder (default: .cache/sglang_ttft)")
+    ap.add_argument("--setups", default="no_prefetch,sglang_file,kvsidecar", help="which servers (diagnosis)")
+    ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware", help="kvsidecar arms, in order")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -377,7 +386,8 @@ def main(argv=None) -> int:
     work = Path(a.work or ROOT / ".cache" / "sglang_ttft") / f"run-{os.getpid()}"
     work.mkdir(parents=True)
     model = Model(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
-    bench = Bench(work, model, speeds, trials, {"requests": a.requests})
+    bench = Bench(work, model, speeds, trials, {"requests": a.requests}, tuple(a.setups.split(",")),
+                  tuple(a.kvs_arms.split(",")))
     results = []
     try:
         for k in range(trials):
