@@ -11,7 +11,7 @@ Invariants:
   before it in ``waiting_queue`` (admission order).  SPMD ranks hold the same queue in the same
   order, so every rank computes the same tokens ahead (checked in tests/sglang).
 * **The rate is SGLang's**: ``total_prefill_busy_us / total_prefill_uncached_tokens`` (the
-  scheduler's own cumulative prefill accounting).  It is measured per rank (wall time), so it
+  scheduler's own cumulative prefill accounting), over its recent increments (:class:`PrefillRate`).  It is measured per rank (wall time), so it
   differs slightly between ranks; therefore **one rank sends** (the TP group's rank 0): the
   session is the group's, so a single ETA stream is identical for every rank by construction.
 * An update is sent only when the ETA moved materially (by more than ``rel`` of the last sent
@@ -61,15 +61,28 @@ def work_ahead(chunked_remaining: int, waiting: Sequence[Queued]) -> list[Ahead]
 
 
 class PrefillRate:
-    """Seconds per prefilled token, from SGLang's cumulative counters (None until known)."""
+    """Seconds per prefilled token from SGLang's cumulative counters, over the recent prefill
+    batches: the ratio of the last ``window`` increments (each at least ``min_tokens`` tokens;
+    smaller ones are merged into the next), so SGLang's warm-up batch -- a few tokens and seconds
+    of compilation -- ages out instead of skewing the rate for the whole run.  None until known."""
 
-    def __init__(self, min_tokens: int = 1):
-        self.min_tokens = min_tokens
+    def __init__(self, window: int = 16, min_tokens: int = 64):
+        self.window, self.min_tokens = window, min_tokens
+        self._base: tuple[int, int] | None = None  # (busy_us, tokens) where the pending increment starts
+        self._samples: collections.deque = collections.deque(maxlen=window)  # (busy_us, tokens)
         self.s_per_token: float | None = None
 
     def observe(self, total_busy_us: int, total_uncached_tokens: int) -> float | None:
-        if total_uncached_tokens >= self.min_tokens and total_busy_us > 0:
-            self.s_per_token = total_busy_us * 1e-6 / total_uncached_tokens
+        if self._base is None or total_uncached_tokens < self._base[1] or total_busy_us < self._base[0]:
+            self._base = (total_busy_us, total_uncached_tokens)  # first look, or the counters were reset
+            return self.s_per_token
+        d_us, d_tok = total_busy_us - self._base[0], total_uncached_tokens - self._base[1]
+        if d_tok >= self.min_tokens and d_us > 0:
+            self._samples.append((d_us, d_tok))
+            self._base = (total_busy_us, total_uncached_tokens)
+            us = sum(b for b, _ in self._samples)
+            tok = sum(t for _, t in self._samples)
+            self.s_per_token = us * 1e-6 / tok
         return self.s_per_token
 
     def per_block(self, tokens_per_block: int) -> float | None:

@@ -122,7 +122,10 @@ def flush_cache(port: int, timeout_s: float = 60) -> None:
     """SGLang's ``/flush_cache`` (device and host cache), retried while requests drain."""
     deadline = time.monotonic() + timeout_s
     while True:
-        msg = str(http(port, "/flush_cache")).lower()
+        try:
+            msg = str(http(port, "/flush_cache")).lower()
+        except urllib.error.HTTPError as exc:  # 400 while requests are still pending (write-back, decode)
+            msg = f"not flushed: {exc}"
         if "flushed" in msg and "not" not in msg.split("flushed")[0]:
             return
         if time.monotonic() > deadline:

@@ -214,7 +214,7 @@ class Bench:
         instance = self._instance()
         cfg = self.work / f"kvsidecar-{tag}.toml"
         cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.05\n'
-                       'verify_loads = "off"\ntimeline = true\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n')
+                       'timeline = true\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n')
         side_log = open(self.work / f"sidecar-{tag}.log", "ab")
         holder = {}
 
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=None)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--fast-mbps", type=float, default=2000.0, help="L3 faster than recompute")
-    ap.add_argument("--slow-mbps", type=float, default=80.0, help="L3 slower than recompute")
+    ap.add_argument("--slow-mbps", type=float, default=2.0, help="L3 slower than recompute (a 4 KiB block: ~16 ms)")
     ap.add_argument("--work", default=None, help="scratch folder (default: .cache/sglang_ttft)")
     ap.add_argument("--setups", default="no_prefetch,sglang_file,kvsidecar", help="which servers (diagnosis)")
     ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware", help="kvsidecar arms, in order")

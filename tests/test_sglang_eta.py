@@ -17,12 +17,16 @@ def test_work_ahead_in_admission_order_after_the_chunked_request():
     assert work_ahead(0, []) == []
 
 
-def test_prefill_rate_is_sglangs_cumulative_ratio():
-    r = PrefillRate()
-    assert r.observe(0, 0) is None and r.per_block(16) is None
-    assert r.observe(40_000, 1024) == pytest.approx(40e-3 / 1024)
-    assert r.per_block(16) == pytest.approx(16 * 40e-3 / 1024)
-    assert r.observe(0, 0) == pytest.approx(40e-3 / 1024)  # keeps the last known rate
+def test_prefill_rate_is_sglangs_recent_ratio_and_the_warm_up_ages_out():
+    r = PrefillRate(window=2, min_tokens=64)
+    assert r.observe(5_000_000, 8) is None  # the first look is a baseline (here: SGLang's warm-up)
+    assert r.observe(5_000_500, 40) is None and r.per_block(16) is None  # 32 tokens: too few to judge
+    assert r.observe(5_040_000, 1064) == pytest.approx(40e-3 / 1056)  # merged with the small one
+    assert r.observe(5_060_000, 2088) == pytest.approx(60e-3 / 2080)
+    assert r.observe(5_070_000, 3112) == pytest.approx(30e-3 / 2048)  # the window slid
+    assert r.per_block(16) == pytest.approx(16 * 30e-3 / 2048)
+    assert r.observe(0, 0) == pytest.approx(30e-3 / 2048)  # counters reset: a new baseline, rate kept
+    assert r.observe(20_000, 1024) == pytest.approx(30e-3 / 2048)  # (10 ms + 20 ms) / 2,048 tokens
 
 
 @pytest.mark.parametrize("prev,new,sent", [(None, 0.0, True), (1.0, 1.19, False), (1.0, 1.21, True),
@@ -67,15 +71,17 @@ def test_scheduler_glue_sends_from_rank_0_only_on_its_sender_thread():
 
     now = [100.0]
     sched = _scheduler([("a", 1024, 0), ("b", 2048, 1024)], busy_us=20_000, tokens=1024, chunked=("c", 512, 256))
+    before = _scheduler([], busy_us=0, tokens=0)
     r0 = SchedulerEta(16, sender=True, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8)
     r1 = SchedulerEta(16, sender=False, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8)
     for eta in (r0, r1):
+        eta.on_iteration(before)  # the rate's baseline
         eta.on_iteration(sched)
     assert done.wait(5.0)
     rate = 20e-3 / 1024
     assert sorted(sent) == [("a", round(256 * rate, 6)), ("b", round((256 + 1024) * rate, 6))]
     assert threads == {"kvsidecar-eta"}
-    assert r0.history == r1.history == type(r0.history)([(1, (("a", 256), ("b", 1280)))])
+    assert r0.history == r1.history == type(r0.history)([(2, (("a", 256), ("b", 1280)))])
     # queue entry: the new request waits for everything queued; its prefetch gets that ETA
     eta, per_block = r0.at_queue_entry(sched, "d", 0)
     assert eta == pytest.approx((256 + 1024 + 1024) * rate) and per_block == pytest.approx(16 * rate)
@@ -89,6 +95,7 @@ def test_a_blocked_sender_never_blocks_the_scheduler():
     gate = threading.Event()
     eta = SchedulerEta(16, sender=True, send=lambda u: gate.wait(5.0), tracked=lambda r, a: True, queue_batches=2)
     sched = _scheduler([("a", 1024)], busy_us=10_000, tokens=1000, chunked=("c", 512))
+    eta.on_iteration(_scheduler([], busy_us=0, tokens=0))
     eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)  # every iteration is material: one batch each
     for _ in range(10):
         eta.on_iteration(sched)  # returns at once although the sender is stuck

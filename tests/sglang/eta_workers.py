@@ -80,7 +80,7 @@ def _rank_main(rank: int, instance: str, port: int) -> dict:
         # own (slightly different) wall-clock prefill accounting
         busy = BUSY_US if rank == 0 else BUSY_US * 103 // 100
         sched = _Scheduler(waiting_queue=[], chunked_req=None, prefill_delayer=None,
-                                      total_prefill_busy_us=busy, total_prefill_uncached_tokens=1024,
+                                      total_prefill_busy_us=0, total_prefill_uncached_tokens=0,
                                       _get_new_batch_prefill_raw=lambda prefill_delayer_single_pass, running_batch:
                                       (None, running_batch))
         sched.tree_cache = _Scheduler(_kvs_eta=eta)
@@ -90,7 +90,9 @@ def _rank_main(rank: int, instance: str, port: int) -> dict:
             plan = Scheduler.get_new_batch_prefill(sched, None)  # SGLang's method, hooks applied
             plans.append(plan.batch_to_run)
 
-        iteration()  # learns the rate
+        iteration()  # the rate's baseline
+        sched.total_prefill_busy_us, sched.total_prefill_uncached_tokens = busy, 1024
+        iteration()  # learns the rate from SGLang's counters
         reqs = []
         for i, tokens in enumerate(prompts):
             req = Req(f"eta-req-{i}", "", array("q", tokens), SamplingParams(max_new_tokens=1))
