@@ -166,11 +166,20 @@ def radix_cache_class():
             live = kvs is not None and request in self.ongoing_prefetch
             if live and request not in self._kvs_demanded:
                 self._kvs_demanded.add(request)
+                t0 = time.perf_counter()
                 kvs.demand(request.rid, request.attempt_id)
+                if kvs.trace is not None:  # a sidecar round trip on SGLang's scheduler thread
+                    kvs.trace(request.rid, "demand", t0, time.perf_counter())
+            t0 = time.perf_counter()
             done = super().check_prefetch_progress(request)
+            if live and kvs.trace is not None:
+                kvs.trace(request.rid, "check_progress", t0, time.perf_counter())
             if live and done:
                 self._kvs_demanded.discard(request)
+                t0 = time.perf_counter()
                 kvs.end(request.rid, request.attempt_id)
+                if kvs.trace is not None:
+                    kvs.trace(request.rid, "end", t0, time.perf_counter())
             return done
 
         def release_aborted_request(self, request) -> None:

@@ -15,7 +15,9 @@ line per storage phase, same clock), and splits each request's TTFT into:
 * ``transfer``: ``_page_transfer`` (``batch_get_v1``: ``get_wait`` for the session, group ``get``,
   ``verify``, ``copy`` into SGLang's host pages, ``release``);
 * ``after``: transfer done -> first token at the client (SGLang's readiness check, host->device
-  load-back, prefill of what was not restored, first decode step, streaming).
+  load-back, prefill of what was not restored, first decode step, streaming);
+* on SGLang's scheduler thread (inside the phases above): ``demand`` and ``end`` (the plugin's
+  sidecar round trips at the first and the last ``check_prefetch_progress``).
 
 Pure parsing (:func:`parse_log`, :func:`breakdown`) is separate from the file handling.
 """
@@ -31,7 +33,7 @@ import sys
 from pathlib import Path
 
 LINE = re.compile(r"kvsidecar-timeline (\{.*\})")
-INNER = ("prefetch", "query_wait", "get_wait", "get", "verify", "copy", "release")
+INNER = ("prefetch", "query_wait", "get_wait", "get", "verify", "copy", "release", "demand", "check_progress", "end")
 
 
 def parse_log(lines, rank: int = 0) -> dict:
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     res = analyse(json.loads(Path(a.json).read_text()), a.rank)
     cols = ("ttft", "to_query", "query", "prefetch", "query_wait", "to_transfer", "transfer", "get_wait", "get",
-            "verify", "copy", "after", "n")
+            "verify", "copy", "after", "demand", "end", "n")
     print(f"{'arm':18s} {'kind':10s} " + " ".join(f"{c:>10s}" for c in cols))
     for key, kinds in sorted(res.items()):
         for kind, b in sorted(kinds.items()):
