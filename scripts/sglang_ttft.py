@@ -169,6 +169,7 @@ class Bench:
     wl_args: dict
     setups: tuple = ("no_prefetch", "sglang_file", "kvsidecar")
     kvs_arms: tuple = ("whole_task", "timeout", "cost_aware")
+    chunk_max_blocks: int = 0  # kvsidecar sessions' chunk (0: the sidecar's default, 128 blocks)
     instance_prefix: str = "kvsttft"
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -214,7 +215,8 @@ class Bench:
         instance = self._instance()
         cfg = self.work / f"kvsidecar-{tag}.toml"
         cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.05\n'
-                       'timeline = true\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n')
+                       'timeline = true\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n'
+                       f'chunk_max_blocks = {self.chunk_max_blocks}\n')
         side_log = open(self.work / f"sidecar-{tag}.log", "ab")
         holder = {}
 
@@ -375,6 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="scratch folder (default: .cache/sglang_ttft)")
     ap.add_argument("--setups", default="no_prefetch,sglang_file,kvsidecar", help="which servers (diagnosis)")
     ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware", help="kvsidecar arms, in order")
+    ap.add_argument("--chunk-max-blocks", type=int, default=8,
+                    help="kvsidecar's chunk (bounds a stop's regret: 8 blocks = 32 KiB, 130 ms at 2 Mbit/s)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -387,7 +391,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True)
     model = Model(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
     bench = Bench(work, model, speeds, trials, {"requests": a.requests}, tuple(a.setups.split(",")),
-                  tuple(a.kvs_arms.split(",")))
+                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks)
     results = []
     try:
         for k in range(trials):
