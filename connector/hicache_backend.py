@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 
 from kvsidecar._native.hashing import murmur3_128
 from kvsidecar.shm.chain import span as chain_span
@@ -123,6 +124,8 @@ class KvSidecarHiCacheStorage(_Base):
         self.layout: KVLayout | None = None
         self.conns: ConnectionPool | None = None
         self.plugin_driven = False  # set by kvsidecar.connector.sglang_plugin once its hooks are applied
+        self.eta_source = None  # cost_aware: (rid, attempt) -> (eta_s, prefill_s_per_block), set by the plugin
+        self.trace = None  # timeline: (rid, phase, t_start, t_end) on time.perf_counter, set by the plugin
         self._bound = threading.local()
         self._lock = threading.Lock()  # counters and _anon
         self.sessions = SessionRegistry()
@@ -289,10 +292,18 @@ class KvSidecarHiCacheStorage(_Base):
         if not self.sessions.open(ref):  # before the prefetch: a demand or end from the scheduler finds it
             return 0  # the request left before its query ran
 
+        eta_s, prefill_s_per_block = (None, None)
+        if policy == "cost_aware" and self.eta_source is not None:
+            eta_s, prefill_s_per_block = self.eta_source(rid, attempt)
+
+        trace = self.trace
+
         def run(c):
+            t0 = time.perf_counter()
             view = c.prefetch(chain, rid, attempt=attempt, policy=policy, budget_s=s.budget_s,
                               chunk_max_blocks=s.chunk_max_blocks or None,
-                              tokens=len(keys) * self.layout.tokens_per_block)
+                              tokens=len(keys) * self.layout.tokens_per_block, eta_s=eta_s,
+                              prefill_s_per_block=prefill_s_per_block)
             self._count("sessions_joined" if view.get("existed") else "sessions_started")
             demanded, ended = self.sessions.flags(ref)
             if ended:  # the scheduler was done with it while the prefetch was on its way
@@ -300,10 +311,14 @@ class KvSidecarHiCacheStorage(_Base):
                 return 0
             if demanded:  # (again: a demand sent before the prefetch arrived found no session)
                 c.demand(rid, attempt=attempt)
+            t1 = time.perf_counter()
             if view["state"] in ("created", "querying"):
                 view = c.wait(rid, attempt=attempt, timeout_s=s.query_wait_s)
                 if view.get("timed_out"):
                     self._count("query_wait_timeouts")
+            if trace is not None:
+                trace(rid, "prefetch", t0, t1)
+                trace(rid, "query_wait", t1, time.perf_counter())
             if view["state"] == "terminal":
                 return view["prefix"]
             if view["state"] in ("created", "querying", "unknown"):
@@ -337,18 +352,29 @@ class KvSidecarHiCacheStorage(_Base):
             off = ref.positions[keys[0]]
             end = off + n
 
+            trace = self.trace
+
             def run(c):
+                t = [time.perf_counter()]
                 view = c.wait(ref.rid, attempt=ref.attempt, until=end, timeout_s=self.config.sessions.get_wait_s)
                 if view.get("timed_out"):
                     self._count("get_wait_timeouts")
+                t.append(time.perf_counter())
                 # group-consistent: every rank gets the same blocks for this batch of this request
                 lease = c.get(chain_span(ref.chain, 0, end), req=ref.rid, attempt=ref.attempt or None, step=off)
+                t.append(time.perf_counter())
                 try:
                     got = c.verified(lease, off, max(0, min(lease.count, end) - off))
+                    t.append(time.perf_counter())
                     if got and not self._copy(c, lease.blocks[off:off + got], host_indices, got, to_host=True):
                         got = 0
+                    t.append(time.perf_counter())
                 finally:
                     c.release(lease)
+                if trace is not None and len(t) == 5:
+                    t.append(time.perf_counter())
+                    for phase, a, b in zip(("get_wait", "get", "verify", "copy", "release"), t, t[1:]):
+                        trace(ref.rid, phase, a, b)
                 return got
 
         got = self._call(run, 0)

@@ -11,7 +11,7 @@ Where it comes from, in order (later wins):
    SGLang (``backend_name``, ``prefetch_threshold``, ...) and are left alone.
 
 Nothing is read from the environment.  **kvsidecar's policy decides when a prefetch stops**:
-``sessions.policy`` (``timeout`` / ``best_effort`` / ``wait_complete``), ``chunk_max_blocks``
+``sessions.policy`` (``timeout`` / ``best_effort`` / ``wait_complete`` / ``cost_aware``), ``chunk_max_blocks``
 and ``budget_s`` live here; SGLang itself runs ``--hicache-storage-prefetch-policy
 wait_complete`` (the plugin refuses anything else).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 
-POLICIES = ("wait_complete", "timeout", "best_effort")
+POLICIES = ("wait_complete", "timeout", "best_effort", "cost_aware")
 POPULATE = ("background", "sync", "off")
 
 
@@ -32,7 +32,8 @@ class PluginConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SessionConfig:
     enabled: bool = True  # False: no sessions at all -- batch_exists restores the whole chain itself (blocking)
-    policy: str = "timeout"  # kvsidecar's stop policy for every request SGLang prefetches
+    policy: str = "timeout"  # kvsidecar's stop policy for every request SGLang prefetches (cost_aware: needs the
+    # plugin's ETA hook on Scheduler.get_new_batch_prefill)
     chunk_max_blocks: int = 0  # 0: the sidecar's [sessions] chunk_max_blocks
     budget_s: float | None = None  # timeout policy: None = the sidecar's min(max, base + per_ki_token x tokens)
     query_wait_s: float = 2.0  # batch_exists waits at most this for the L3 metadata answer (no data)
@@ -61,6 +62,7 @@ class PluginConfig:
     populate: str = "background"  # each connection's pool mapping (see kvsidecar.connector.kv_client)
     max_connections: int = 4  # sidecar connections (client slots) per rank, shared by its threads
     verify_loads: str = "sample"  # off | sample | all: check leased bytes against their checksums
+    timeline: bool = False  # log one "kvsidecar-timeline" line per storage phase of each request (benchmarks)
     sessions: SessionConfig = SessionConfig()
 
     def __post_init__(self):

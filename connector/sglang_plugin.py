@@ -41,14 +41,27 @@ kvsidecar drained, so the cache refuses them at start (:class:`KvSidecarPluginEr
 the cache checks that the storage backend is kvsidecar's and both hooks are applied, and logs
 it.  Without the plugin the storage backend still works alone (degraded: sessions without
 demand or abort, stopped by kvsidecar's deadline).
+
+3. **ETA for cost_aware** (:mod:`kvsidecar.connector.sglang_eta`): a BEFORE hook on
+   ``Scheduler.get_new_batch_prefill`` (every iteration, every rank) computes each queued
+   request's ETA from SGLang's ``waiting_queue`` (admission order), ``chunked_req`` and its
+   cumulative ``total_prefill_busy_us / total_prefill_uncached_tokens``; the cache's
+   ``prefetch_from_storage`` (scheduler thread, just before the request joins the queue) gives
+   the session its first ETA and the prefill cost per block.  Rank 0 sends material changes
+   (``poll`` with ``eta_s``) from a sender thread.  ``sessions.policy = "cost_aware"`` needs this
+   hook; it is checked at start like the others.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import sys
+import time
 
 from .hicache_backend import KvSidecarHiCacheStorage
+from .sglang_eta import SchedulerEta
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +69,8 @@ RADIX_CACHE_BACKEND = "kvsidecar"
 CONTROLLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 HOOKED_METHODS = ("_storage_hit_query", "_page_transfer")
 REQUIRED_PREFETCH_POLICY = "wait_complete"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+ETA_HOOKED_METHOD = "get_new_batch_prefill"
 
 _originals: dict[str, object] = {}  # hooked method -> SGLang's own function (to check the hooks took)
 
@@ -78,8 +93,13 @@ def _bound_call(original, controller, operation, *args, **kwargs):
     if backend is None:
         return original(controller, operation, *args, **kwargs)
     handle = operation.handle
-    with backend.bind(handle.rid, getattr(handle, "attempt_id", 0)):
-        return original(controller, operation, *args, **kwargs)
+    t0 = time.perf_counter()
+    try:
+        with backend.bind(handle.rid, getattr(handle, "attempt_id", 0)):
+            return original(controller, operation, *args, **kwargs)
+    finally:
+        if backend.trace is not None:
+            backend.trace(handle.rid, original.__name__.lstrip("_"), t0, time.perf_counter())
 
 
 def hooks_applied() -> dict[str, bool]:
@@ -88,6 +108,36 @@ def hooks_applied() -> dict[str, bool]:
 
     cls = pkgutil.resolve_name(CONTROLLER)
     return {m: m in _originals and cls.__dict__.get(m) is not _originals[m] for m in HOOKED_METHODS}
+
+
+def _eta_before_prefill(scheduler, *args, **kwargs):
+    """BEFORE hook on ``Scheduler.get_new_batch_prefill``: this iteration's ETA updates.
+
+    Never raises into the scheduler loop and never waits on the sidecar (the updates go to a
+    sender thread)."""
+    eta = getattr(getattr(scheduler, "tree_cache", None), "_kvs_eta", None)
+    if eta is not None:
+        try:
+            eta.scheduler = scheduler  # lives as long as the process
+            eta.on_iteration(scheduler)
+        except Exception:  # pragma: no cover - a bug here must not stop SGLang
+            eta.counters["hook_errors"] += 1
+            log.exception("kvsidecar ETA hook failed; cost_aware keeps its last ETA")
+    return None
+
+
+def eta_hook_applied() -> bool:
+    """Whether the ETA hook wraps ``Scheduler.get_new_batch_prefill`` (SGLang's scheduler
+    module imported and its hooks applied)."""
+    mod = sys.modules.get(SCHEDULER.rsplit(".", 1)[0])
+    fn = getattr(getattr(mod, "Scheduler", None), ETA_HOOKED_METHOD, None)
+    for _ in range(32):  # the chain of wrappers HookRegistry built (bounded)
+        if fn is None:
+            return False
+        if any(getattr(c, "cell_contents", None) is _eta_before_prefill for c in (fn.__closure__ or ())):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 # -- the radix cache ------------------------------------------------------------------------------
@@ -103,17 +153,33 @@ def radix_cache_class():
             super().init_hicache(server_args, params)
             self._kvs = activate(self.cache_controller, self.prefetch_stop_policy)
             self._kvs_demanded: set = set()
+            self._kvs_eta = eta_for(self._kvs)
+
+        def prefetch_from_storage(self, request, *args, **kwargs):
+            eta = self._kvs_eta
+            if eta is not None:  # the scheduler thread, just before the request joins waiting_queue
+                eta.at_queue_entry(eta.scheduler, request.rid, request.attempt_id)
+            return super().prefetch_from_storage(request, *args, **kwargs)
 
         def check_prefetch_progress(self, request) -> bool:
             kvs = self._kvs
             live = kvs is not None and request in self.ongoing_prefetch
             if live and request not in self._kvs_demanded:
                 self._kvs_demanded.add(request)
+                t0 = time.perf_counter()
                 kvs.demand(request.rid, request.attempt_id)
+                if kvs.trace is not None:  # a sidecar round trip on SGLang's scheduler thread
+                    kvs.trace(request.rid, "demand", t0, time.perf_counter())
+            t0 = time.perf_counter()
             done = super().check_prefetch_progress(request)
+            if live and kvs.trace is not None:
+                kvs.trace(request.rid, "check_progress", t0, time.perf_counter())
             if live and done:
                 self._kvs_demanded.discard(request)
+                t0 = time.perf_counter()
                 kvs.end(request.rid, request.attempt_id)
+                if kvs.trace is not None:
+                    kvs.trace(request.rid, "end", t0, time.perf_counter())
             return done
 
         def release_aborted_request(self, request) -> None:
@@ -150,16 +216,56 @@ def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
             f"--hicache-storage-prefetch-policy {REQUIRED_PREFETCH_POLICY} and choose the stop policy in "
             "kvsidecar's config (sessions.policy)")
     missing = [m for m, ok in hooks_applied().items() if not ok]
+    if backend.config.sessions.policy == "cost_aware" and not eta_hook_applied():
+        missing.append(f"{SCHEDULER.rsplit('.', 1)[1]}.{ETA_HOOKED_METHOD} (cost_aware's ETA)")
     if missing:
         raise KvSidecarPluginError(f"kvsidecar plugin hooks not applied on {CONTROLLER}: {missing} "
                                    "(is the sglang.srt.plugins entry point installed? SGLANG_PLUGINS?)")
     backend.plugin_driven = True
+    if backend.config.timeline:
+        backend.trace = _timeline_logger(backend.rank)
     s = backend.config.sessions
     log.info("kvsidecar plugin active (rank %d/%d, group %r): radix cache %s, hooks %s applied, SGLang policy "
              "%s, kvsidecar policy %s, chunk_max_blocks %s, budget %s", backend.rank, backend.tp_size, backend.group,
-             RADIX_CACHE_BACKEND, "+".join(HOOKED_METHODS), prefetch_stop_policy, s.policy,
+             RADIX_CACHE_BACKEND, "+".join(HOOKED_METHODS + ((ETA_HOOKED_METHOD,) if eta_hook_applied() else ())),
+             prefetch_stop_policy, s.policy,
              s.chunk_max_blocks or "sidecar default", s.budget_s or "sidecar formula")
     return backend
+
+
+def _timeline_logger(rank: int):
+    """``config.timeline``: one log line per storage phase of a request (time.perf_counter, i.e.
+    CLOCK_MONOTONIC: comparable with a client's clock on the same host)."""
+    def trace(rid, phase, t0, t1):
+        log.info("kvsidecar-timeline %s", json.dumps({"rank": rank, "rid": str(rid), "phase": phase,
+                                                      "t0": round(t0, 6), "t1": round(t1, 6)}))
+    return trace
+
+
+def eta_for(backend: KvSidecarHiCacheStorage) -> SchedulerEta | None:
+    """cost_aware's ETA source for this rank (None for the other policies): rank 0 sends."""
+    if backend.config.sessions.policy != "cost_aware":
+        return None
+
+    def send(u):
+        t0 = time.perf_counter()
+        view = backend._call(lambda c: c.poll(u.rid, attempt=u.attempt, eta_s=u.eta_s), None)
+        if backend.trace is not None:
+            backend.trace(u.rid, "eta_sent", t0, time.perf_counter())
+        return (view or {}).get("state", "unavailable")
+
+    def tracked(rid, attempt):
+        return backend.session(rid, attempt) is not None
+
+    eta = SchedulerEta(backend.layout.tokens_per_block, sender=backend.rank == 0, send=send, tracked=tracked)
+    backend.eta_source = eta.prefetch_inputs
+    if backend.trace is not None:  # timeline: the ETA inputs each session starts with (-1: unknown)
+        def traced(rid, attempt):
+            eta_s, per_block = eta.prefetch_inputs(rid, attempt)
+            backend.trace(rid, "eta_input", -1.0 if eta_s is None else eta_s, -1.0 if per_block is None else per_block)
+            return eta_s, per_block
+        backend.eta_source = traced
+    return eta
 
 
 def _factory(ctx):
@@ -187,5 +293,8 @@ def load() -> None:
             continue  # idempotent
         _originals[m] = cls.__dict__[m]
         HookRegistry.register(f"{CONTROLLER}.{m}", _bound_call, HookType.AROUND)
+    if "eta" not in _originals:
+        _originals["eta"] = True
+        HookRegistry.register(f"{SCHEDULER}.{ETA_HOOKED_METHOD}", _eta_before_prefill, HookType.BEFORE)
     log.info("kvsidecar plugin loaded: radix-cache backend %r registered, hooks on %s", RADIX_CACHE_BACKEND,
              ", ".join(f"{CONTROLLER.rsplit('.', 1)[1]}.{m}" for m in HOOKED_METHODS))

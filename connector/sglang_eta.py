@@ -1,0 +1,267 @@
+"""cost_aware's engine inputs from SGLang's own scheduler: each queued request's ETA and the
+prefill cost per block.
+
+Invariants:
+
+* **Pure core** (:func:`work_ahead`, :class:`PrefillRate`, :class:`EtaPlanner`): no clock, no
+  I/O, no SGLang import; the scheduler-side glue (:class:`SchedulerEta`) only reads SGLang's
+  state and hands the plan to a sender.
+* **Work ahead is deterministic**: a request's prefill starts once the scheduler has prefilled
+  what is ahead of it -- the rest of ``chunked_req`` and the uncached tokens of every request
+  before it in ``waiting_queue`` (admission order).  SPMD ranks hold the same queue in the same
+  order, so every rank computes the same tokens ahead (checked in tests/sglang).
+* **The rate is SGLang's**: ``total_prefill_busy_us / total_prefill_uncached_tokens`` (the
+  scheduler's own cumulative prefill accounting), over its recent increments (:class:`PrefillRate`).  It is measured per rank (wall time), so it
+  differs slightly between ranks; therefore **one rank sends** (the TP group's rank 0): the
+  session is the group's, so a single ETA stream is identical for every rank by construction.
+* An update is sent only when the ETA moved materially (by more than ``rel`` of the last sent
+  *and* more than ``abs_s``; the last sent ETA counts down as time passes); one batch per scheduler iteration, handed to a sender thread (the scheduler loop
+  never waits on the sidecar: a full hand-off queue drops the batch and counts it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+REL_CHANGE = 0.2  # an ETA update is sent when the ETA moved by more than this share ...
+ABS_CHANGE_S = 0.05  # ... or by more than this
+
+
+@dataclasses.dataclass(frozen=True)
+class Queued:
+    """One waiting request: its identity and the tokens its prefill will compute."""
+
+    rid: str
+    attempt: int
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    rid: str
+    attempt: int
+    tokens_ahead: int  # tokens the scheduler prefills before this request's prefill starts
+
+
+def work_ahead(chunked_remaining: int, waiting: Sequence[Queued]) -> list[Ahead]:
+    """Tokens prefilled before each waiting request starts (admission order, FCFS)."""
+    out, acc = [], max(0, int(chunked_remaining))
+    for q in waiting:
+        out.append(Ahead(q.rid, q.attempt, acc))
+        acc += max(0, int(q.tokens))
+    return out
+
+
+class PrefillRate:
+    """Seconds per prefilled token from SGLang's cumulative counters, over the recent prefill
+    batches: the ratio of the last ``window`` increments (each at least ``min_tokens`` tokens;
+    smaller ones are merged into the next), so SGLang's warm-up batch -- a few tokens and seconds
+    of compilation -- ages out instead of skewing the rate for the whole run.  None until known."""
+
+    def __init__(self, window: int = 16, min_tokens: int = 64):
+        self.window, self.min_tokens = window, min_tokens
+        self._base: tuple[int, int] | None = None  # (busy_us, tokens) where the pending increment starts
+        self._samples: collections.deque = collections.deque(maxlen=window)  # (busy_us, tokens)
+        self.s_per_token: float | None = None
+
+    def observe(self, total_busy_us: int, total_uncached_tokens: int) -> float | None:
+        if self._base is None or total_uncached_tokens < self._base[1] or total_busy_us < self._base[0]:
+            self._base = (total_busy_us, total_uncached_tokens)  # first look, or the counters were reset
+            return self.s_per_token
+        d_us, d_tok = total_busy_us - self._base[0], total_uncached_tokens - self._base[1]
+        if d_tok >= self.min_tokens and d_us > 0:
+            self._samples.append((d_us, d_tok))
+            self._base = (total_busy_us, total_uncached_tokens)
+            us = sum(b for b, _ in self._samples)
+            tok = sum(t for _, t in self._samples)
+            self.s_per_token = us * 1e-6 / tok
+        return self.s_per_token
+
+    def per_block(self, tokens_per_block: int) -> float | None:
+        return None if self.s_per_token is None else self.s_per_token * tokens_per_block
+
+
+@dataclasses.dataclass(frozen=True)
+class EtaUpdate:
+    rid: str
+    attempt: int
+    eta_s: float  # seconds from now until the request's prefill can start
+
+
+def material(prev: float | None, new: float, rel: float = REL_CHANGE, abs_s: float = ABS_CHANGE_S) -> bool:
+    """Whether ``new`` moved enough from the last sent ``prev`` to be worth a message: by more
+    than ``rel`` of it and more than ``abs_s`` (a short ETA jittering by a few ms, or a long one
+    by a few per cent, sends nothing)."""
+    if prev is None:
+        return True
+    return abs(new - prev) > max(rel * prev, abs_s)
+
+
+class EtaPlanner:
+    """Remembers the last ETA sent per request; plans the updates of one iteration."""
+
+    def __init__(self, rel: float = REL_CHANGE, abs_s: float = ABS_CHANGE_S, limit: int = 65536):
+        self.rel, self.abs_s, self.limit = rel, abs_s, limit
+        self._sent: dict[tuple, tuple[float, float]] = {}  # (rid, attempt) -> (eta_s sent, sent at)
+        self._lock = threading.Lock()  # the scheduler thread plans, SGLang's prefetch thread reads
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def note_sent(self, rid: str, attempt: int, eta_s: float, now: float) -> None:
+        with self._lock:
+            if len(self._sent) >= self.limit:
+                self._sent.clear()  # bounded; a forgotten request just gets a fresh update
+            self._sent[(rid, attempt)] = (eta_s, now)
+
+    def last(self, rid: str, attempt: int, now: float) -> float | None:
+        """The last sent ETA as it stands now (it counts down as time passes)."""
+        with self._lock:
+            got = self._sent.get((rid, attempt))
+        return None if got is None else max(0.0, got[0] - (now - got[1]))
+
+    def forget(self, keep: Iterable[tuple]) -> None:
+        keep = set(keep)
+        with self._lock:
+            for k in [k for k in self._sent if k not in keep]:
+                del self._sent[k]
+
+    def plan(self, ahead: Iterable[Ahead], s_per_token: float | None, now: float,
+             tracked: Callable[[str, int], bool] = lambda rid, attempt: True) -> list[EtaUpdate]:
+        """The updates to send now: requests ``tracked`` whose ETA moved materially."""
+        if s_per_token is None:
+            return []
+        out = []
+        for a in ahead:
+            if not tracked(a.rid, a.attempt):
+                continue
+            eta = a.tokens_ahead * s_per_token
+            if material(self.last(a.rid, a.attempt, now), eta, self.rel, self.abs_s):
+                out.append(EtaUpdate(a.rid, a.attempt, eta))
+                self.note_sent(a.rid, a.attempt, eta, now)
+        return out
+
+
+# -- SGLang glue (reads the scheduler; never waits on the sidecar) -----------------------------------
+def queued_of(req) -> Queued:
+    """A waiting SGLang ``Req``: the tokens its prefill computes (beyond its device and host match)."""
+    handle = getattr(req, "cache_request_handle", None)
+    attempt = getattr(handle, "attempt_id", 0) if handle is not None else 0
+    total = len(req.origin_input_ids) + len(getattr(req, "output_ids", ()))
+    done = int(getattr(req, "prefix_len", 0) or 0) + int(getattr(req, "host_hit_length", 0) or 0)
+    return Queued(str(req.rid), int(attempt or 0), max(0, total - done))
+
+
+def chunked_remaining(scheduler) -> int:
+    req = getattr(scheduler, "chunked_req", None)
+    return 0 if req is None else queued_of(req).tokens
+
+
+class SchedulerEta:
+    """Per rank: computes ETAs at every ``get_new_batch_prefill`` (BEFORE hook) and at queue
+    entry (``prefetch_from_storage``), and sends them (rank 0 only) from a sender thread.
+
+    ``send(update)`` runs on the sender thread (a sidecar ``poll`` with ``eta_s``);
+    ``tracked(rid, attempt)`` says whether the request has a live cost_aware session."""
+
+    def __init__(self, tokens_per_block: int, *, sender: bool, send: Callable[[EtaUpdate], None],
+                 tracked: Callable[[str, int], bool], clock: Callable[[], float] = time.monotonic,
+                 queue_batches: int = 64, history: int = 0):
+        self.tokens_per_block = tokens_per_block
+        self.is_sender = sender
+        self.rate = PrefillRate()
+        self.planner = EtaPlanner()
+        self.clock = clock
+        self._send, self._tracked = send, tracked
+        self._q: queue.Queue = queue.Queue(maxsize=queue_batches)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.counters = collections.Counter()
+        # (iteration, tuple of (rid, tokens_ahead)) of the last ``history`` iterations (tests)
+        self.history: collections.deque = collections.deque(maxlen=history or None) if history else None
+        self.iteration = 0
+        self.sent_log: collections.deque = collections.deque(maxlen=256)  # (rid, eta_s, state), newest last
+        self.scheduler = None  # SGLang's Scheduler, bound by the BEFORE hook
+
+    # -- scheduler thread ------------------------------------------------------------------------
+    def on_iteration(self, scheduler) -> None:
+        """BEFORE ``Scheduler.get_new_batch_prefill``: plan and hand off this iteration's updates."""
+        self.iteration += 1
+        self.rate.observe(int(getattr(scheduler, "total_prefill_busy_us", 0) or 0),
+                          int(getattr(scheduler, "total_prefill_uncached_tokens", 0) or 0))
+        ahead = work_ahead(chunked_remaining(scheduler), [queued_of(r) for r in scheduler.waiting_queue])
+        if self.history is not None and ahead:
+            self.history.append((self.iteration, tuple((a.rid, a.tokens_ahead) for a in ahead)))
+        if not self.is_sender:
+            return
+        updates = self.planner.plan(ahead, self.rate.s_per_token, self.clock(), self._tracked)
+        if len(self.planner) > 4 * max(16, len(ahead)):
+            self.planner.forget((a.rid, a.attempt) for a in ahead)
+        if updates:
+            self._hand_off(updates)
+
+    def at_queue_entry(self, scheduler, rid: str, attempt: int) -> tuple[float | None, float | None]:
+        """``prefetch_from_storage`` (scheduler thread, just before the request joins
+        ``waiting_queue``): (ETA in seconds, prefill seconds per block) for its prefetch."""
+        if scheduler is None:
+            return None, None
+        tokens = chunked_remaining(scheduler) + sum(queued_of(r).tokens for r in scheduler.waiting_queue)
+        s = self.rate.s_per_token
+        if s is None:
+            return None, None
+        eta = tokens * s
+        self.planner.note_sent(str(rid), int(attempt or 0), eta, self.clock())
+        return eta, s * self.tokens_per_block
+
+    def prefetch_inputs(self, rid: str, attempt: int) -> tuple[float | None, float | None]:
+        """For the session's ``prefetch`` (SGLang's prefetch thread, a little after queue entry):
+        the queue-entry ETA counted down to now, and the prefill cost per block."""
+        return self.planner.last(str(rid), int(attempt or 0), self.clock()), self.rate.per_block(self.tokens_per_block)
+
+    # -- sender thread ---------------------------------------------------------------------------
+    def _hand_off(self, updates: list[EtaUpdate]) -> None:
+        if self._closed:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvsidecar-eta", daemon=True)
+            self._thread.start()
+        try:
+            self._q.put_nowait(updates)
+            self.counters["batches"] += 1
+            self.counters["planned"] += len(updates)
+        except queue.Full:
+            self.counters["batches_dropped"] += 1
+
+    def _run(self) -> None:
+        while True:
+            batch = self._q.get()
+            if batch is None:
+                return
+            for u in batch:
+                try:
+                    state = self._send(u)
+                    self.sent_log.append((u.rid, round(u.eta_s, 6), state))
+                    self.counters["sent"] += 1
+                    if isinstance(state, str):  # the session's state as the sidecar answered
+                        self.counters[f"sent_{state}"] += 1
+                except Exception:  # a failed update only leaves the sidecar's older ETA in place
+                    self.counters["send_failed"] += 1
+                    log.debug("kvsidecar ETA update for %s failed", u.rid, exc_info=True)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._closed = True
+        t = self._thread
+        if t is not None:
+            try:
+                self._q.put(None, timeout=timeout_s)
+            except queue.Full:
+                return
+            t.join(timeout_s)

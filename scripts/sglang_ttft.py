@@ -1,0 +1,427 @@
+"""TTFT through genuine SGLang (CPU, TP=2): kvsidecar's policies against HiCache without storage
+and SGLang's own ``file`` storage backend.
+
+    .sglang-venv/bin/python -m scripts.sglang_ttft [--quick] [--trials K] --json FILE
+
+Slow (server starts of 30-90 s each): not in the default suite.  Per trial, in an order that
+rotates between trials (interleaved), one server per storage set-up:
+
+* ``no_prefetch``: HiCache without a storage backend (every prefix recomputed);
+* ``sglang_file``: SGLang's own ``file`` backend with its own prefetch policy;
+* one kvsidecar server (``--radix-cache-backend kvsidecar``, plugin policy ``cost_aware`` so the
+  ETA flows) whose sidecar is restarted per arm and L3 speed with ``sessions.policy_override``:
+  ``whole_task`` (``wait_complete``), ``timeout`` (a short fixed budget) and ``cost_aware``; its
+  file L3 is shaped with ``l3.bandwidth_mbps`` (a speed faster and one slower than recompute).
+
+Each arm: seed the shared prefixes into storage (one request each, written through), flush
+SGLang's cache (and kvsidecar's pool: the prefixes are L3 hits), then the measured stream:
+``--requests`` requests, each a shared prefix plus its own suffix, at Poisson arrivals; TTFT at the
+client from the streaming response, cached tokens from storage per request, outputs compared with
+the cold (``no_prefetch``) run of the same trial.  Then the **hit probe**: prompts sent cold, then
+again after SGLang's ``/flush_cache`` -- a kvsidecar pool hit, a ``file`` hit, or (no_prefetch)
+recompute.  JSON: ``{"rows": [{"l3": ..., "arms": {name: {"ttft_p50_ms", "ttft_p90_ms", ...}}}],
+"probe": ..., "trials": [...]}``; aggregated figures are ``median [min..max]`` over trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from scripts.trials import aggregate, fmt
+
+log = logging.getLogger("sglang_ttft")
+
+ARMS = ("no_prefetch", "whole_task", "timeout", "cost_aware", "sglang_file")
+KVS_POLICY = {"whole_task": "wait_complete", "timeout": "timeout", "cost_aware": "cost_aware"}
+TIMEOUT_BUDGET = {"sessions.timeout_base_s": 0.2, "sessions.timeout_per_ki_token_s": 0.0,
+                  "sessions.timeout_max_s": 0.2}
+
+
+# -- pure parts (smoke-tested in the default suite) --------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Request:
+    at_s: float  # arrival, from the stream's start
+    ids: tuple
+    prefix: int  # which shared prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prefixes: tuple  # token tuples, each a whole number of pages
+    requests: tuple  # Request, in arrival order
+    probes: tuple  # token tuples for the hit probe
+
+
+def make_workload(seed: int, *, requests: int = 32, prefixes: int = 8, prefix_tokens: int = 2048,
+                  suffix_tokens: int = 128, mean_gap_s: float = 0.15, probes: int = 4, probe_tokens: int = 2048,
+                  vocab: int = 500) -> Workload:
+    """Shared system prompts, each request one of them plus its own suffix, Poisson arrivals."""
+    rnd = random.Random(seed)
+
+    def toks(n):
+        return tuple(rnd.randrange(3, vocab) for _ in range(n))
+
+    pre = tuple(toks(prefix_tokens) for _ in range(prefixes))
+    t, reqs = 0.0, []
+    for i in range(requests):
+        p = rnd.randrange(prefixes)
+        reqs.append(Request(round(t, 4), pre[p] + toks(suffix_tokens), p))
+        t += rnd.expovariate(1.0 / mean_gap_s) if mean_gap_s > 0 else 0.0
+    return Workload(pre, tuple(reqs), tuple(toks(probe_tokens) for _ in range(probes)))
+
+
+def percentile(xs, q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("percentile of nothing")
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(ttfts_s, storage_tokens, outputs_match) -> dict:
+    ms = [t * 1e3 for t in ttfts_s]
+    return {"ttft_p50_ms": round(percentile(ms, 50), 2), "ttft_p90_ms": round(percentile(ms, 90), 2),
+            "ttft_mean_ms": round(statistics.fmean(ms), 2), "requests": len(ms),
+            "storage_tokens_mean": round(statistics.fmean(storage_tokens), 1) if storage_tokens else 0.0,
+            "storage_tokens": list(storage_tokens), "outputs_match_cold": bool(outputs_match)}
+
+
+def rows(trials: list, speeds: list) -> list:
+    """The JSON rows: per L3 speed, every arm's figures aggregated over trials (``no_prefetch``
+    and ``sglang_file`` do not use kvsidecar's L3: the same measurement serves every row)."""
+    out = []
+    for mbps in speeds:
+        arms = {}
+        for arm in ARMS:
+            key = arm if arm in ("no_prefetch", "sglang_file") else f"{arm}@{mbps:g}"
+            samples = [t[key] for t in trials if key in t]
+            if samples:
+                agg = aggregate([{k: v for k, v in s.items() if k not in ("storage_tokens", "probe", "client_timeline", "sidecar")}
+                                 for s in samples])
+                arms[arm] = {**agg, "ttft_p50_ms": agg["ttft_p50_ms"]["median"],
+                             "ttft_p90_ms": agg["ttft_p90_ms"]["median"], "trials": agg}
+        out.append({"l3": {"bandwidth_mbps": mbps}, "arms": arms})
+    return out
+
+
+def verdicts(row: dict, slack: float = 1.05) -> dict:
+    """cost_aware <= slack x min(no_prefetch, whole_task), at p50 and p90 (met or missed)."""
+    arms = row["arms"]
+    out = {}
+    for q in ("ttft_p50_ms", "ttft_p90_ms"):
+        if not all(a in arms for a in ("cost_aware", "no_prefetch", "whole_task")):
+            continue
+        bound = min(arms["no_prefetch"][q], arms["whole_task"][q])
+        out[q] = {"cost_aware": arms["cost_aware"][q], "bound": round(slack * bound, 2),
+                  "met": arms["cost_aware"][q] <= slack * bound}
+    return out
+
+
+# -- the measured parts ---------------------------------------------------------------------------------
+def run_stream(port: int, wl: Workload, tag: str, max_new_tokens: int = 4) -> list:
+    """The measured stream: each request sent at its arrival time from its own thread."""
+    from scripts.sglang_server import stream_generate
+
+    replies: list = [None] * len(wl.requests)
+    errors: list = []
+    t0 = time.perf_counter() + 0.05
+
+    def one(i, r):
+        delay = t0 + r.at_s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)  # the arrival schedule, not a synchronisation
+        try:
+            replies[i] = stream_generate(port, list(r.ids), max_new_tokens, rid=f"{tag}-{i}")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"request {i}: {exc!r}")
+
+    threads = [threading.Thread(target=one, args=(i, r), daemon=True) for i, r in enumerate(wl.requests)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 600
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if errors or any(r is None for r in replies):
+        raise RuntimeError(f"{tag}: {len(errors)} requests failed: {errors[:3]}")
+    return replies
+
+
+@dataclasses.dataclass
+class Bench:
+    work: Path
+    model: object
+    speeds: list
+    trials: int
+    wl_args: dict
+    setups: tuple = ("no_prefetch", "sglang_file", "kvsidecar")
+    kvs_arms: tuple = ("whole_task", "timeout", "cost_aware")
+    chunk_max_blocks: int = 0  # kvsidecar sessions' chunk (0: the sidecar's default, 128 blocks)
+    instance_prefix: str = "kvsttft"
+    started: float = dataclasses.field(default_factory=time.time)
+
+    def __post_init__(self):
+        self.model_dir = self.model.write(self.work / "model")
+        self.n = 0
+
+    def _instance(self) -> str:
+        self.n += 1
+        return f"{self.instance_prefix}{os.getpid()}x{self.n}"
+
+    # storage set-ups --------------------------------------------------------------------------------
+    def arm_no_prefetch(self, wl, tag):
+        from scripts.sglang_server import start_server
+
+        srv = start_server(self.model_dir, self.work, storage="none")
+        try:
+            return {"no_prefetch": self._measure(srv.port, wl, tag, lambda: None, None, "no_prefetch")}
+        finally:
+            srv.stop()
+
+    def arm_sglang_file(self, wl, tag):
+        from scripts.sglang_server import start_server
+
+        fdir = self.work / f"file-{tag}"
+        fdir.mkdir(parents=True)
+        srv = start_server(self.model_dir, self.work, storage="file", file_dir=fdir)
+
+        def stored():  # one file per page and rank
+            return sum(1 for n in os.listdir(fdir) if n.endswith(".bin")) // 2
+
+        try:
+            return {"sglang_file": self._measure(srv.port, wl, tag, lambda: None, stored, "sglang_file")}
+        finally:
+            srv.stop()
+
+    def arm_kvsidecar(self, wl, tag, order):
+        from kvsidecar.connector.kv_client import KVConnector
+        from kvsidecar.shm.layout import KVLayout
+        from kvsidecar.sidecar.spawn import SidecarProcess
+        from scripts.sglang_server import TP, start_server
+
+        instance = self._instance()
+        cfg = self.work / f"kvsidecar-{tag}.toml"
+        cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.05\n'
+                       'timeline = true\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n'
+                       f'chunk_max_blocks = {self.chunk_max_blocks}\n')
+        side_log = open(self.work / f"sidecar-{tag}.log", "ab")
+        holder = {}
+
+        def sidecar(l3, **over):
+            if "sc" in holder:
+                holder["probe"].close()
+                holder["sc"].stop()
+            o = self.model.sidecar_overrides(l3, **over)
+            holder["sc"] = SidecarProcess(instance, overrides=o, stderr=side_log)
+            lay = KVLayout(**{k.split(".", 1)[1]: v for k, v in o.items() if k.startswith("layout.")})
+            c = KVConnector(instance, lay, rank=0, group=f"sglang:tiny:tp{TP}:pp0:dp0", populate="off")
+            c.attach()
+            holder["probe"] = c
+            return c
+
+        sidecar(self.work / f"l3-{tag}-start")
+        srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg)
+        out = {}
+        try:
+            for mbps, arm in order:
+                over = {"l3.bandwidth_mbps": float(mbps), "sessions.policy_override": KVS_POLICY[arm]}
+                if arm == "timeout":
+                    over.update(TIMEOUT_BUDGET)
+                c = sidecar(self.work / f"l3-{tag}-{arm}-{mbps:g}", **over)  # a fresh pool and L3
+
+                def flush_pool(c=c):
+                    _drain_puts(c)
+                    c.flush()
+
+                def stored(c=c):  # published, and written behind to L3
+                    s = c.stats()
+                    return s["store"].get("published_blocks", 0) if not s["l3"].get("puts_in_flight", 0) else -1
+
+                res = self._measure(srv.port, wl, f"{tag}-{arm}-{mbps:g}", flush_pool, stored, arm)
+                st = c.stats()
+                res["sidecar"] = {"sessions": st.get("sessions", {}), "l3": st.get("l3", {})}
+                out[f"{arm}@{mbps:g}"] = res
+        finally:
+            srv.stop()
+            if "sc" in holder:
+                holder["probe"].close()
+                holder["sc"].stop()
+            side_log.close()
+        return out
+
+    # one arm on a running server -----------------------------------------------------------------
+    def _measure(self, port, wl, tag, flush_pool, stored_count, arm) -> dict:
+        """``stored_count()``: pages the storage holds (kvsidecar: published blocks; file: files
+        per rank); ``flush_pool()``: empties kvsidecar's CPU pool (the next hits come from L3)."""
+        from scripts.sglang_server import flush_cache, stream_generate
+
+        # seed the shared prefixes (one request each; write-through to storage), then flush
+        count = stored_count or (lambda: 0)
+        base = count()
+        for p in wl.prefixes:
+            stream_generate(port, list(p), 1)
+        self._wait_stored(stored_count, base + sum(_pages(p) for p in wl.prefixes), arm)
+        flush_cache(port)
+        flush_pool()
+        replies = run_stream(port, wl, tag)
+        res = {"ttft_s": [r.ttft_s for r in replies], "storage": [r.storage_tokens for r in replies],
+               "outputs": [r.output_ids for r in replies],
+               "timeline": {f"{tag}-{i}": [round(r.sent_at, 6), round(r.ttft_s, 6)] for i, r in enumerate(replies)}}
+        # the hit probe: cold, then after SGLang's flush a storage hit (kvsidecar: its pool)
+        cold, hit, ok, hit_storage = [], [], True, []
+        for j, p in enumerate(wl.probes):
+            flush_cache(port)
+            base = count()
+            a = stream_generate(port, list(p), 4, rid=f"{tag}-probe{j}-cold")
+            self._wait_stored(stored_count, base + _pages(p), arm)
+            flush_cache(port)
+            b = stream_generate(port, list(p), 4, rid=f"{tag}-probe{j}-hit")
+            cold.append(a.ttft_s)
+            hit.append(b.ttft_s)
+            res["timeline"][f"{tag}-probe{j}-cold"] = [round(a.sent_at, 6), round(a.ttft_s, 6)]
+            res["timeline"][f"{tag}-probe{j}-hit"] = [round(b.sent_at, 6), round(b.ttft_s, 6)]
+            hit_storage.append(b.storage_tokens)
+            ok = ok and a.output_ids == b.output_ids
+        res["probe"] = {"cold_ms": [round(x * 1e3, 2) for x in cold], "hit_ms": [round(x * 1e3, 2) for x in hit],
+                        "hit_storage_tokens": hit_storage, "outputs_match": ok}
+        return res
+
+    @staticmethod
+    def _wait_stored(stored_count, want: int, arm: str, timeout_s: float = 60.0) -> None:
+        """Bounded: storage holds ``want`` pages (SGLang writes through asynchronously)."""
+        if stored_count is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while stored_count() < want:
+            if time.monotonic() > deadline:
+                log.warning("%s: storage holds %d of %d pages after %.0f s", arm, stored_count(), want, timeout_s)
+                return
+            time.sleep(0.02)
+
+    def trial(self, k: int) -> dict:
+        wl = make_workload(1000 + k, **self.wl_args)
+        tag = f"t{k}"
+        kvs_order = [(m, a) for m in self.speeds for a in self.kvs_arms]
+        rot = k % len(kvs_order)
+        kvs_order = kvs_order[rot:] + kvs_order[:rot]
+        setups = [("no_prefetch", lambda: self.arm_no_prefetch(wl, tag)),
+                  ("sglang_file", lambda: self.arm_sglang_file(wl, tag)),
+                  ("kvsidecar", lambda: self.arm_kvsidecar(wl, tag, kvs_order))]
+        setups = [s for s in setups if s[0] in self.setups]
+        r = k % len(setups)
+        if r:  # interleaved: the set-ups rotate between trials; cold first needs no_prefetch earlier
+            setups = setups[r:] + setups[:r]
+        raw = {}
+        for name, run in setups:
+            t = time.monotonic()
+            raw.update(run())
+            log.info("trial %d: %s done in %.0f s", k, name, time.monotonic() - t)
+        cold = raw["no_prefetch"]["outputs"] if "no_prefetch" in raw else None
+        out = {}
+        for key, res in raw.items():
+            out[key] = {**summarize(res["ttft_s"], res["storage"], cold is None or res["outputs"] == cold),
+                        "probe": res["probe"], "client_timeline": res["timeline"]}
+            if "sidecar" in res:
+                out[key]["sidecar"] = res["sidecar"]
+        out["server_logs"] = [str(p) for p in sorted(self.work.glob("server-*.log"))]
+        return out
+
+
+def _pages(ids) -> int:
+    """Pages SGLang writes through for a prompt (its last token is not cached)."""
+    from scripts.sglang_server import PAGE
+
+    return (len(ids) - 1) // PAGE
+
+
+def _drain_puts(c, deadline=None):
+    deadline = deadline or time.monotonic() + 60
+    while c.stats()["l3"].get("puts_in_flight", 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def probe_table(trials: list) -> dict:
+    """Per arm: median cold / hit TTFT of the hit probe (all trials pooled)."""
+    out = {}
+    for key in sorted({k for t in trials for k in t if k != "server_logs"}):
+        cold = [x for t in trials if key in t for x in t[key]["probe"]["cold_ms"]]
+        hit = [x for t in trials if key in t for x in t[key]["probe"]["hit_ms"]]
+        st = [x for t in trials if key in t for x in t[key]["probe"]["hit_storage_tokens"]]
+        out[key] = {"cold_p50_ms": round(statistics.median(cold), 1), "hit_p50_ms": round(statistics.median(hit), 1),
+                    "hit_over_cold": round(statistics.median(hit) / statistics.median(cold), 3),
+                    "hit_storage_tokens": st,
+                    "outputs_match": all(t[key]["probe"]["outputs_match"] for t in trials if key in t)}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one L3 speed, one trial (under 8 minutes)")
+    ap.add_argument("--trials", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--fast-mbps", type=float, default=2000.0, help="L3 faster than recompute")
+    ap.add_argument("--slow-mbps", type=float, default=2.0, help="L3 slower than recompute (a 4 KiB block: ~16 ms)")
+    ap.add_argument("--work", default=None, help="scratch folder (default: .cache/sglang_ttft)")
+    ap.add_argument("--setups", default="no_prefetch,sglang_file,kvsidecar", help="which servers (diagnosis)")
+    ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware", help="kvsidecar arms, in order")
+    ap.add_argument("--chunk-max-blocks", type=int, default=8,
+                    help="kvsidecar's chunk (bounds a stop's regret: 8 blocks = 32 KiB, 130 ms at 2 Mbit/s)")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every server
+    from scripts.sglang_server import ROOT, Model, clean_shm
+
+    speeds = [a.fast_mbps] if a.quick else [a.fast_mbps, a.slow_mbps]
+    trials = a.trials or (1 if a.quick else 3)
+    work = Path(a.work or ROOT / ".cache" / "sglang_ttft") / f"run-{os.getpid()}"
+    work.mkdir(parents=True)
+    model = Model(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+    bench = Bench(work, model, speeds, trials, {"requests": a.requests}, tuple(a.setups.split(",")),
+                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks)
+    results = []
+    try:
+        for k in range(trials):
+            results.append(bench.trial(k))
+    finally:
+        removed = clean_shm(bench.instance_prefix, bench.started)
+        log.info("removed %d leftovers from /dev/shm", len(removed))
+    doc = {"rows": rows(results, speeds), "probe": probe_table(results), "trials": results,
+           "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests}
+    for row in doc["rows"]:
+        row["verdict"] = verdicts(row)
+    Path(a.json).write_text(json.dumps(doc, indent=1))
+    print_table(doc)
+    return 0
+
+
+def print_table(doc: dict) -> None:
+    for row in doc["rows"]:
+        print(f"L3 {row['l3']['bandwidth_mbps']:g} Mbit/s")
+        for arm, v in row["arms"].items():
+            t = v["trials"]
+            print(f"  {arm:12s} p50 {fmt(t['ttft_p50_ms'], 1):>28s}  p90 {fmt(t['ttft_p90_ms'], 1):>28s}  "
+                  f"storage tok {fmt(t['storage_tokens_mean'], 0):>18s}  match {t['outputs_match_cold']}")
+        for q, v in row.get("verdict", {}).items():
+            print(f"  cost_aware {q}: {v['cost_aware']} vs 1.05 x min = {v['bound']}: {'met' if v['met'] else 'MISSED'}")
+    print("hit probe (median over probes and trials): cold / hit TTFT ms")
+    for key, v in doc["probe"].items():
+        print(f"  {key:18s} cold {v['cold_p50_ms']:8.1f}  hit {v['hit_p50_ms']:8.1f}  x{v['hit_over_cold']:.2f}  "
+              f"match {v['outputs_match']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

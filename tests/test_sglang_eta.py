@@ -1,0 +1,105 @@
+"""The pure core of cost_aware's SGLang ETA (kvsidecar.connector.sglang_eta): work ahead in
+admission order, SGLang's prefill rate, the material-change rule, and the scheduler glue's
+hand-off to a sender thread (it never blocks the scheduler; a full queue drops and counts)."""
+
+import threading
+import types
+
+import pytest
+
+from kvsidecar.connector.sglang_eta import (Ahead, EtaPlanner, PrefillRate, Queued, SchedulerEta, material,
+                                            work_ahead)
+
+
+def test_work_ahead_in_admission_order_after_the_chunked_request():
+    q = [Queued("a", 0, 100), Queued("b", 1, 0), Queued("c", 0, 50), Queued("d", 0, -3)]
+    assert work_ahead(30, q) == [Ahead("a", 0, 30), Ahead("b", 1, 130), Ahead("c", 0, 130), Ahead("d", 0, 180)]
+    assert work_ahead(0, []) == []
+
+
+def test_prefill_rate_is_sglangs_recent_ratio_and_the_warm_up_ages_out():
+    r = PrefillRate(window=2, min_tokens=64)
+    assert r.observe(5_000_000, 8) is None  # the first look is a baseline (here: SGLang's warm-up)
+    assert r.observe(5_000_500, 40) is None and r.per_block(16) is None  # 32 tokens: too few to judge
+    assert r.observe(5_040_000, 1064) == pytest.approx(40e-3 / 1056)  # merged with the small one
+    assert r.observe(5_060_000, 2088) == pytest.approx(60e-3 / 2080)
+    assert r.observe(5_070_000, 3112) == pytest.approx(30e-3 / 2048)  # the window slid
+    assert r.per_block(16) == pytest.approx(16 * 30e-3 / 2048)
+    assert r.observe(0, 0) == pytest.approx(30e-3 / 2048)  # counters reset: a new baseline, rate kept
+    assert r.observe(20_000, 1024) == pytest.approx(30e-3 / 2048)  # (10 ms + 20 ms) / 2,048 tokens
+
+
+@pytest.mark.parametrize("prev,new,sent", [(None, 0.0, True), (1.0, 1.19, False), (1.0, 1.21, True),
+                                           (0.1, 0.14, False), (0.1, 0.16, True), (0.01, 0.0, False),
+                                           (0.3, 0.24, False), (0.3, 0.23, True)])
+def test_material_change_is_20_percent_or_50_ms(prev, new, sent):
+    assert material(prev, new) is sent
+
+
+def test_planner_sends_only_material_moves_and_counts_the_last_eta_down():
+    p = EtaPlanner()
+    rate = 1e-3  # 1 ms per token
+    ahead = [Ahead("a", 0, 0), Ahead("b", 0, 400)]
+    assert [(u.rid, u.eta_s) for u in p.plan(ahead, rate, now=10.0)] == [("a", 0.0), ("b", pytest.approx(0.4))]
+    assert p.plan(ahead, rate, now=10.0) == []  # nothing moved
+    # 0.2 s later b's last ETA stands at 0.2 s: unchanged work ahead (0.4 s) is a material move
+    assert [(u.rid, u.eta_s) for u in p.plan(ahead, rate, now=10.2)] == [("b", pytest.approx(0.4))]
+    assert p.plan([Ahead("b", 0, 430)], rate, now=10.2) == []  # +30 ms, +7.5 %: not material
+    assert p.plan(ahead, None, now=11.0) == []  # no rate yet: no ETA
+    assert p.plan(ahead, rate, now=12.0, tracked=lambda rid, a: rid == "a") == []  # a's ETA is 0 still
+    p.forget([("a", 0)])
+    assert p.last("b", 0, 12.0) is None and p.last("a", 0, 12.0) == 0.0
+
+
+def _scheduler(queue, busy_us=0, tokens=0, chunked=None):
+    def req(rid, n, prefix=0):
+        return types.SimpleNamespace(rid=rid, origin_input_ids=[0] * n, output_ids=[], prefix_len=prefix,
+                                     host_hit_length=0, cache_request_handle=types.SimpleNamespace(attempt_id=0))
+    return types.SimpleNamespace(waiting_queue=[req(*q) for q in queue], total_prefill_busy_us=busy_us,
+                                 total_prefill_uncached_tokens=tokens,
+                                 chunked_req=req(*chunked) if chunked else None)
+
+
+def test_scheduler_glue_sends_from_rank_0_only_on_its_sender_thread():
+    sent, done, threads = [], threading.Event(), set()
+
+    def send(u):
+        threads.add(threading.current_thread().name)
+        sent.append((u.rid, round(u.eta_s, 6)))
+        if len(sent) == 2:
+            done.set()
+
+    now = [100.0]
+    sched = _scheduler([("a", 1024, 0), ("b", 2048, 1024)], busy_us=20_000, tokens=1024, chunked=("c", 512, 256))
+    before = _scheduler([], busy_us=0, tokens=0)
+    r0 = SchedulerEta(16, sender=True, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8)
+    r1 = SchedulerEta(16, sender=False, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8)
+    for eta in (r0, r1):
+        eta.on_iteration(before)  # the rate's baseline
+        eta.on_iteration(sched)
+    assert done.wait(5.0)
+    rate = 20e-3 / 1024
+    assert sorted(sent) == [("a", round(256 * rate, 6)), ("b", round((256 + 1024) * rate, 6))]
+    assert threads == {"kvsidecar-eta"}
+    assert r0.history == r1.history == type(r0.history)([(2, (("a", 256), ("b", 1280)))])
+    # queue entry: the new request waits for everything queued; its prefetch gets that ETA
+    eta, per_block = r0.at_queue_entry(sched, "d", 0)
+    assert eta == pytest.approx((256 + 1024 + 1024) * rate) and per_block == pytest.approx(16 * rate)
+    now[0] += 0.01
+    assert r0.prefetch_inputs("d", 0) == (pytest.approx(eta - 0.01), pytest.approx(per_block))
+    r0.close()
+    r1.close()
+
+
+def test_a_blocked_sender_never_blocks_the_scheduler():
+    gate = threading.Event()
+    eta = SchedulerEta(16, sender=True, send=lambda u: gate.wait(5.0), tracked=lambda r, a: True, queue_batches=2)
+    sched = _scheduler([("a", 1024)], busy_us=10_000, tokens=1000, chunked=("c", 512))
+    eta.on_iteration(_scheduler([], busy_us=0, tokens=0))
+    eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)  # every iteration is material: one batch each
+    for _ in range(10):
+        eta.on_iteration(sched)  # returns at once although the sender is stuck
+    assert eta.counters["batches"] + eta.counters["batches_dropped"] == 10
+    assert eta.counters["batches_dropped"] >= 7
+    gate.set()
+    eta.close()

@@ -1,0 +1,75 @@
+"""Smoke test of scripts.sglang_ttft's pure parts (the benchmark itself needs genuine SGLang and
+minutes: ``.sglang-venv/bin/python -m scripts.sglang_ttft --quick --json FILE``)."""
+
+import pytest
+
+from scripts.sglang_ttft import ARMS, make_workload, percentile, rows, summarize, verdicts
+
+
+def test_workload_shares_prefixes_and_arrives_in_order():
+    wl = make_workload(7, requests=32, prefixes=4, prefix_tokens=64, suffix_tokens=16, mean_gap_s=0.1,
+                       probes=2, probe_tokens=32)
+    assert len(wl.requests) == 32 and len(wl.prefixes) == 4 and len(wl.probes) == 2
+    ats = [r.at_s for r in wl.requests]
+    assert ats == sorted(ats) and ats[0] == 0.0 and ats[-1] > 0
+    for r in wl.requests:
+        assert r.ids[:64] == wl.prefixes[r.prefix] and len(r.ids) == 80
+    assert len({r.ids[64:] for r in wl.requests}) == 32  # every suffix its own
+    assert len({r.prefix for r in wl.requests}) > 1
+    assert make_workload(7, requests=32, prefixes=4, prefix_tokens=64, suffix_tokens=16, mean_gap_s=0.1,
+                         probes=2, probe_tokens=32) == wl  # deterministic per seed
+
+
+def test_percentile_interpolates():
+    assert percentile([3, 1, 2], 50) == 2
+    assert percentile([0, 10], 90) == pytest.approx(9.0)
+    assert percentile([5], 90) == 5
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def _trial(scale):
+    def arm(p50):
+        return {**summarize([p50 / 1e3] * 9 + [2 * p50 / 1e3], [0] * 10, True), "probe": {}}
+    out = {"no_prefetch": arm(100 * scale), "sglang_file": arm(90 * scale)}
+    for mbps in (2000, 80):
+        out[f"whole_task@{mbps}"] = arm(80 * scale)
+        out[f"timeout@{mbps}"] = arm(85 * scale)
+        out[f"cost_aware@{mbps}"] = arm((83 if mbps == 2000 else 120) * scale)
+    return out
+
+
+def test_rows_aggregate_trials_and_judge_cost_aware():
+    doc = rows([_trial(1.0), _trial(1.1), _trial(0.9)], [2000, 80])
+    assert [r["l3"]["bandwidth_mbps"] for r in doc] == [2000, 80]
+    fast, slow = doc
+    assert set(fast["arms"]) == set(ARMS)
+    assert fast["arms"]["no_prefetch"]["ttft_p50_ms"] == pytest.approx(100.0)
+    assert fast["arms"]["cost_aware"]["trials"]["ttft_p50_ms"]["min"] == pytest.approx(83 * 0.9)
+    assert fast["arms"]["whole_task"]["ttft_p90_ms"] == pytest.approx(percentile([80] * 9 + [160], 90))
+    v = verdicts(fast)
+    assert v["ttft_p50_ms"]["met"] and v["ttft_p90_ms"]["met"]
+    v = verdicts(slow)
+    assert not v["ttft_p50_ms"]["met"] and v["ttft_p50_ms"]["bound"] == pytest.approx(84.0)
+
+
+def test_timeline_breakdown_splits_ttft_into_phases():
+    from scripts.sglang_timeline import breakdown, parse_log
+
+    def line(rank, rid, phase, t0, t1):
+        return ('[2026 TP0] kvsidecar-timeline {"rank": %d, "rid": "%s", "phase": "%s", "t0": %s, "t1": %s}'
+                % (rank, rid, phase, t0, t1))
+
+    lines = [line(0, "r", "prefetch", 10.010, 10.012), line(0, "r", "query_wait", 10.012, 10.015),
+             line(0, "r", "storage_hit_query", 10.010, 10.020), line(1, "r", "storage_hit_query", 10.0, 11.0),
+             line(0, "r", "get_wait", 10.030, 10.031), line(0, "r", "copy", 10.032, 10.040),
+             line(0, "r", "page_transfer", 10.030, 10.045), "unrelated line", "kvsidecar-timeline {bad json"]
+    phases = parse_log(lines, rank=0)
+    assert set(phases) == {"r"} and phases["r"]["storage_hit_query"] == [(10.010, 10.020)]
+    b = breakdown(10.0, 0.1, phases["r"])
+    assert b == {"ttft": 100.0, "to_query": pytest.approx(10.0), "query": pytest.approx(10.0),
+                 "to_transfer": pytest.approx(10.0), "transfer": pytest.approx(15.0), "after": pytest.approx(55.0),
+                 "prefetch": pytest.approx(2.0), "query_wait": pytest.approx(3.0), "get_wait": pytest.approx(1.0),
+                 "get": 0.0, "verify": 0.0, "copy": pytest.approx(8.0), "release": 0.0, "demand": 0.0,
+                 "check_progress": 0.0, "end": 0.0}
+    assert breakdown(10.0, 0.1, {}) is None
