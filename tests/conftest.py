@@ -138,10 +138,14 @@ class Timing:
         """Seconds since ``t0`` (time.monotonic); when timed, assert they are under ``limit_s``."""
         import time
 
-        elapsed = time.monotonic() - t0
+        return self.below(time.monotonic() - t0, limit_s, what)
+
+    def below(self, seconds: float, limit_s: float, what: str) -> float:
+        """A duration measured elsewhere (e.g. a session's ``stop_ms`` / 1e3); when timed, assert
+        it is under ``limit_s``."""
         if self.on:
-            assert elapsed < limit_s, f"{what}: took {elapsed:.3f} s, bound {limit_s} s"
-        return elapsed
+            assert seconds < limit_s, f"{what}: took {seconds:.3f} s, bound {limit_s} s"
+        return seconds
 
 
 @pytest.fixture(params=[pytest.param(False, id="untimed"),

@@ -158,12 +158,7 @@ def worker(instance: str, wid: int, seed: int, stop, conn) -> None:
                     elif fate < 0.4 and policy == "best_effort":
                         c.demand(req)
                         counts["demand"] += 1
-                    deadline = time.monotonic() + 10.0
-                    while True:
-                        p = c.poll(req)
-                        if p["state"] == "terminal" or time.monotonic() > deadline:
-                            break
-                        time.sleep(0.002)  # poll cadence (bounded by the deadline above)
+                    p = c.wait(req, terminal=True, timeout_s=10.0)  # answered when it ends (bounded)
                     if p["state"] != "terminal":
                         errors["session_not_terminal"] = errors.get("session_not_terminal", 0) + 1
                         c.abort(req)
