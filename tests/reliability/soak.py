@@ -22,6 +22,8 @@ import os
 import random
 import time
 
+from scripts.common import percentile as _pct
+
 LAYOUT = dict(model="soak", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=4,
               tp_size=1, mla=False)
 POOL_BLOCKS = 2048
@@ -182,13 +184,6 @@ def _rss_kib(pid: int, field: str = "VmRSS") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
-
-
-def _pct(xs, q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def run(instance: str, l3_dir: str, *, target_evictions: int, workers: int = 3, seed: int = 1,
