@@ -20,7 +20,8 @@ SHM_PREFIX = f"kvst{os.getpid()}-"
 
 
 def _our_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+    """This run's shared memory: segments, and the named semaphores of read gates (sem.<name>)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX) or n.startswith("sem." + SHM_PREFIX)}
 
 
 def _children() -> set[int]:
@@ -160,5 +161,5 @@ def read_gate():
     ``read_gate.open()``); its semaphore is unlinked after the test."""
     from .waiting import ReadGate
 
-    with ReadGate(SHM_PREFIX + "gate") as gate:
+    with ReadGate() as gate:
         yield gate

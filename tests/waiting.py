@@ -21,10 +21,10 @@ import posix_ipc
 def wait_until(pred, timeout: float, what: str, *, until=None, interval_s: float = 0.005):
     """Re-check ``pred()`` until it is truthy -- or, with ``until``, until ``until(pred())`` is --
     and return the value ``pred()`` gave; after ``timeout`` seconds raise AssertionError naming
-    ``what`` and the last observed value.  The interval grows from ``interval_s`` to 50 ms, so a
-    long wait does not spin; every wait is bounded."""
+    ``what`` and the last observed value.  The interval grows from ``interval_s`` to 50 ms (or
+    stays at a longer ``interval_s``), so a long wait does not spin; every wait is bounded."""
     deadline = time.monotonic() + timeout
-    pause = interval_s
+    pause, longest = interval_s, max(interval_s, 0.05)
     while True:
         last = pred()
         if (until(last) if until is not None else last):
@@ -35,15 +35,16 @@ def wait_until(pred, timeout: float, what: str, *, until=None, interval_s: float
             seen = seen if len(seen) <= 2000 else seen[:2000] + "..."
             raise AssertionError(f"timed out after {timeout} s waiting for {what}; last observed: {seen}")
         time.sleep(min(pause, left))  # re-check cadence of a bounded wait, not synchronisation
-        pause = min(pause * 2, 0.05)
+        pause = min(pause * 2, longest)
 
 
 class ReadGate:
     """The test's end of the shaped L3's read gate: create it before the sidecar starts, pass
     ``overrides()`` to it, ``open()`` it when the held reads may go on."""
 
-    def __init__(self, prefix: str = "kvst-gate"):
-        self.name = f"/{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    def __init__(self, prefix: str = ""):
+        # conftest's per-run prefix (kvst<pid>-), so its leak check sees a gate left behind
+        self.name = f"/{prefix or f'kvst{os.getpid()}-gate'}-{uuid.uuid4().hex[:8]}"
         self._sem = posix_ipc.Semaphore(self.name, posix_ipc.O_CREX, initial_value=0)
 
     def overrides(self) -> dict:

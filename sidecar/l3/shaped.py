@@ -48,6 +48,7 @@ class ShapedBackend(L3Backend):
         self._gate = posix_ipc.Semaphore(read_gate) if read_gate else None
         self.gate_waiting = 0
         self._lock = threading.Lock()
+        self._gate_idle = threading.Condition(self._lock)  # notified when a held read leaves the gate
 
     def release_hang(self) -> None:
         self._hang.set()
@@ -102,6 +103,7 @@ class ShapedBackend(L3Backend):
         finally:
             with self._lock:
                 self.gate_waiting -= 1
+                self._gate_idle.notify_all()
 
     def _fails(self, i: int, n: int, key: str) -> bool:
         if self.fail == "first":
@@ -131,5 +133,15 @@ class ShapedBackend(L3Backend):
     def close(self):
         self.interrupt()
         if self._gate is not None:
-            self._gate.close()  # the test's semaphore: it unlinks it
+            self._close_gate()
         self.inner.close()
+
+    def _close_gate(self) -> None:
+        """Wake the held reads (one token: each passing read gives it back to the next), wait
+        (bounded) until none is inside ``acquire``, then close our handle; the test unlinks the
+        semaphore.  (Closing it under a waiting thread would be undefined behaviour.)"""
+        self._gate.release()
+        with self._lock:
+            idle = self._gate_idle.wait_for(lambda: self.gate_waiting == 0, timeout=2.0)
+        if idle:
+            self._gate.close()
