@@ -91,6 +91,8 @@ class ShapedBackend(L3Backend):
         """Wait until the gate's token can be taken (then give it back: the gate stays open), or
         close; the semaphore wakes the waiter, the timeout only re-checks close."""
         with self._lock:
+            if self._closed.is_set():  # closing: the handle may be gone; nothing more is held
+                return
             self.gate_waiting += 1
         try:
             while not self._closed.is_set():
