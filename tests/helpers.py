@@ -53,6 +53,8 @@ def wait_terminal(conn, req: str, timeout_s: float = 20.0, attempt: int = 0) -> 
     terminal (the sidecar answers when it ends: no polling); returns its view."""
     p = conn.wait(req, attempt=attempt, terminal=True, timeout_s=timeout_s)
     assert p["state"] == "terminal", f"session {req} not terminal after {timeout_s} s: {p}"
+    # terminal, yet answered by the wait's own deadline: the session ended without waking it
+    assert not p.get("timed_out"), f"session {req} ended but its waiter was not woken: {p}"
     return p
 
 

@@ -268,7 +268,7 @@ class SessionManager(Service):
         if rec.abandoned:
             log.warning("session %d: drain budget ran out, %d chunk(s) still in flight left behind",
                         rec.id, rec.abandoned)
-        self._carry_out(rec, actions)
+        self._run(rec, actions)  # (not _carry_out alone: the session's waiters must be woken)
 
     def _resolve_orphan(self, orphan: Orphan, ok: list) -> None:
         """A read a session stopped waiting for ended: publish what landed in chain order

@@ -35,7 +35,8 @@ def test_books_balance_while_sessions_are_in_flight_and_a_stuck_read_is_left_beh
     blocks stay staging (an orphan) until the read really ends (here: at shutdown)."""
     sp = sidecar_factory(**overrides(tmp_path, **{"l3.hang": True, "sessions.drain_timeout_s": 0.3}))
     with KVConnector(instance, LAY) as c:
-        c.prefetch(l3_filled, "r", policy="timeout", budget_s=5.0, chunk_max_blocks=8)
+        # (a budget past wait_terminal's bound: its deadline must not be what ends the wait)
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=60.0, chunk_max_blocks=8)
         # wait (bounded) until the first chunk is staged and its read started (is on the lane,
         # not queued: a queued read would be withdrawn by the abort, not left behind)
         wait_until(lambda: c.stats()["l3"]["read"]["busy"], 10.0, "the first read in flight")

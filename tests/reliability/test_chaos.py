@@ -332,8 +332,9 @@ def _session_then_fault(c, kv, toks, fault, timing) -> tuple[bool, int, dict]:
     lost = sum(int(not torch.equal(a[q], b[q])) for la, lb in zip(kv, out) for a, b in zip(la, lb) for q in range(n))
     s = c.stats(check=True)
     ok = s["invariants"] == "" and s["leases"]["live"] == 0 and n == p["prefix"]
-    timing.below(stop_s, 10, "fault to terminal")
-    return ok, lost, {"status": p["status"], "prefix": n, "stop_s": round(stop_s, 3)}
+    timing.below(stop_s, 10, f"fault to terminal ({p})")
+    return ok, lost, {"status": p["status"], "prefix": n, "stop_s": round(stop_s, 3),
+                      "wait_timed_out": bool(p.get("timed_out"))}
 
 
 @pytest.mark.mooncake
