@@ -13,7 +13,7 @@ from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.spawn import SidecarProcess
 
 from .helpers import store_to_l3, wait_l3_idle, wait_terminal
-from .waiting import wait_read_held
+from .waiting import wait_read_held, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -184,16 +184,23 @@ def test_store_accounting_counts_only_written_blocks(node_pair, instance, moonca
         assert ei.value.code == ErrorCode.UNKNOWN_ID
 
 
-def test_sessions_against_real_mooncake(node_pair, instance):
+def test_sessions_against_real_mooncake(node_pair, instance, read_gate):
     """Deadline-cut, full and best-effort sessions reading from a real Mooncake cluster."""
     a = node_pair("a")
-    b = node_pair("b", **{"l3.latency_ms": 10.0, "l3.mooncake_global_segment_bytes": 0})
+    b = node_pair("b", **{"l3.mooncake_global_segment_bytes": 0, "sessions.drain_timeout_s": 10.0},
+                  **read_gate.overrides())
     kv = kv_data(40)
     tokens = list(range(8 * 40))
     store_l3(a.instance, kv, tokens)
     with KVConnector(b.instance, LAY) as c:
         chain = c.hasher.chain(tokens)
-        c.prefetch(chain, "short", policy="timeout", budget_s=0.02, chunk_max_blocks=4)
+        c.prefetch(chain, "short", policy="timeout", budget_s=0.2, chunk_max_blocks=4)
+        # the deadline cuts the session while its first chunk's read is held in flight: it
+        # drains that chunk, and the rest is never read (not a race with a 20 ms budget)
+        wait_read_held(c)
+        wait_until(lambda: c.poll("short")["state"], 10, "the deadline sealing 'short'",
+                   until=lambda s: s == "draining")
+        read_gate.open()
         p = wait_terminal(c, "short")
         assert p["status"] == "timeout" and 0 < p["prefix"] < 40
         c.prefetch(chain, "long", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
