@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import logging
-from pathlib import Path
 
 from scripts import trials as trials_mod
+from scripts.common import write_json
 
 SUITES = {
     "ring": "bench_ring",
@@ -60,9 +59,7 @@ def main(argv=None) -> int:
     title = f"kvsidecar bench: {args.suite}{' (quick)' if args.quick else ''}, median [min..max] of {n} trials"
     print_table(title, module.table(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True))
-        print(f"\nJSON written to {args.json}")
+        write_json(args.json, result)
     return 0
 
 

@@ -26,15 +26,13 @@ from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
 from kvsidecar.shm.layout import KVLayout  # noqa: E402
 from kvsidecar.sidecar.l3.master import MooncakeMaster  # noqa: E402
 from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
+from scripts.common import wait_puts_done  # noqa: E402
 
 LAY = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, tokens_per_block=16, tp_size=1)  # 512 KiB blocks
 
 
 def _wait_puts(c: KVConnector, n: int) -> None:
-    deadline = time.monotonic() + 120
-    while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.02)  # benchmark set-up, outside every measured interval
-    assert c.stats()["counters"]["l3_published_blocks"] >= n
+    assert wait_puts_done(c)["counters"]["l3_published_blocks"] >= n
 
 
 def _store_s(c: KVConnector, kv, chain) -> float:

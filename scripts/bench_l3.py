@@ -36,6 +36,7 @@ from kvsidecar.shm.layout import KVLayout  # noqa: E402
 from kvsidecar.sidecar.l3.master import MooncakeMaster  # noqa: E402
 from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
 
+from scripts.common import wait_puts_done
 from scripts.trials import median as med
 
 SUM_BYTES = 8
@@ -55,13 +56,7 @@ def _store(c: KVConnector, lay: KVLayout, tokens: list, n_blocks: int) -> bytes:
 
 
 def _wait_puts(c: KVConnector, want: int) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        s = c.stats()
-        if not s["l3"]["puts_in_flight"]:
-            break
-        time.sleep(0.02)
-    got = c.stats()["counters"].get("l3_published_blocks", 0)
+    got = wait_puts_done(c)["counters"].get("l3_published_blocks", 0)
     assert got == want, f"{got} of {want} blocks reached L3"
 
 

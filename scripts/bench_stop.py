@@ -13,6 +13,8 @@ from kvsidecar.connector.kv_client import KVConnector
 from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.spawn import SidecarProcess
 
+from scripts.common import cpu_seconds as _cpu
+from scripts.common import percentile as _pct
 from scripts.trials import median as med
 
 LAY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, tokens_per_block=16, tp_size=1)  # 32 KiB blocks
@@ -23,17 +25,6 @@ ARMS = {
     "timeout_chunk32": dict(policy="timeout", chunk_max_blocks=32),
     "best_effort": dict(policy="best_effort", chunk_max_blocks=32),
 }
-
-
-def _cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 def run(quick: bool = False) -> dict:

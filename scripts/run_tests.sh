@@ -2,14 +2,21 @@
 # The test command: set up everything this project needs, then run the default suite, then the
 # SGLang controller-level suite in its own virtualenv (marker `sglang`), then the vLLM suite in
 # its own (marker `vllm`: vLLM's real scheduler, and a real CPU engine).
-# Extra arguments go to the main pytest run (e.g. -m slow, -k ring); KVS_SKIP_SGLANG=1 /
-# KVS_SKIP_VLLM=1 skip those parts.
+# Between them, the wall-clock bounds (marker `timing`: each such test's [timed] copy) run as a
+# step of their own; a bound that fails there fails the run (the bounds are generous: seconds for
+# what takes milliseconds, so they hold on a loaded 2-core machine).
+# Extra arguments go to the main pytest run (e.g. -m slow, -k ring); KVS_SKIP_TIMING=1 /
+# KVS_SKIP_SGLANG=1 / KVS_SKIP_VLLM=1 skip those parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export MC_TCP_BIND_ADDRESS=127.0.0.1
 export PATH="$PWD/.venv/bin:$PATH"  # mooncake_master comes with the venv
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+if [ "${KVS_SKIP_TIMING:-0}" != 1 ]; then
+  echo "== timing: wall-clock bounds (pytest -m timing) =="
+  .venv/bin/python -m pytest -q -p no:cacheprovider -m "timing and not slow" tests --ignore=tests/sglang --ignore=tests/vllm
+fi
 if [ "${KVS_SKIP_SGLANG:-0}" != 1 ]; then
   bash scripts/sglang/setup_venv.sh
   export TMPDIR="$PWD/.cache/tmp" TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions" SGLANG_CACHE_DIR="$PWD/.cache/sglang"

@@ -255,9 +255,10 @@ def build_backend(cfg: SidecarConfig, host: "SidecarApp"):
                                   global_segment_bytes=c.mooncake_global_segment_bytes,
                                   local_buffer_bytes=c.mooncake_local_buffer_bytes,
                                   setup_timeout_s=c.setup_timeout_s)
-    if c.latency_ms or c.bandwidth_mbps or c.fail or c.hang:
+    if c.latency_ms or c.bandwidth_mbps or c.fail or c.hang or c.read_gate:
         backend = ShapedBackend(backend, latency_s=c.latency_ms / 1e3, bandwidth_bps=c.bandwidth_mbps * 1e6 / 8,
-                                fail=c.fail, fail_prob=c.fail_prob, fail_keys=tuple(c.fail_keys), hang=c.hang)
+                                fail=c.fail, fail_prob=c.fail_prob, fail_keys=tuple(c.fail_keys), hang=c.hang,
+                                read_gate=c.read_gate)
     return backend
 
 

@@ -102,6 +102,8 @@ class L3Config:
     fail_prob: float = 0.0
     fail_keys: list = dataclasses.field(default_factory=list)
     hang: bool = False
+    # name of a POSIX semaphore a test holds reads on (kvsidecar.sidecar.l3.shaped); "" = none
+    read_gate: str = ""
     # Where the Mooncake client's (and a spawned master's) own glog output goes: "file"
     # (<run_dir>/<instance>-mooncake.log; the launcher's console keeps only kvsidecar's log) or
     # "console" (inherited stderr, as Mooncake prints it)

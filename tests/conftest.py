@@ -20,7 +20,8 @@ SHM_PREFIX = f"kvst{os.getpid()}-"
 
 
 def _our_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+    """This run's shared memory: segments, and the named semaphores of read gates (sem.<name>)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX) or n.startswith("sem." + SHM_PREFIX)}
 
 
 def _children() -> set[int]:
@@ -123,3 +124,42 @@ def mooncake_master():
     m = MooncakeMaster(client_ttl_s=2, kv_lease_ttl_ms=200)
     yield m
     m.stop()
+
+
+class Timing:
+    """A wall-clock bound on one step of a test.  Such bounds are the ``timing`` marker's (they
+    depend on how loaded the machine is): the default suite runs each such test once as
+    ``[untimed]`` (behaviour only; ``within`` checks nothing), and ``scripts/run_tests.sh`` runs
+    the ``[timed]`` copies as a step of their own (``-m timing``), where ``within`` asserts."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def within(self, t0: float, limit_s: float, what: str) -> float:
+        """Seconds since ``t0`` (time.monotonic); when timed, assert they are under ``limit_s``."""
+        import time
+
+        return self.below(time.monotonic() - t0, limit_s, what)
+
+    def below(self, seconds: float, limit_s: float, what: str) -> float:
+        """A duration measured elsewhere (e.g. a session's ``stop_ms`` / 1e3); when timed, assert
+        it is under ``limit_s``."""
+        if self.on:
+            assert seconds < limit_s, f"{what}: took {seconds:.3f} s, bound {limit_s} s"
+        return seconds
+
+
+@pytest.fixture(params=[pytest.param(False, id="untimed"),
+                        pytest.param(True, id="timed", marks=pytest.mark.timing)])
+def timing(request) -> Timing:
+    return Timing(request.param)
+
+
+@pytest.fixture
+def read_gate():
+    """A closed read gate for the shaped L3 (pass ``read_gate.overrides()`` to the sidecar, then
+    ``read_gate.open()``); its semaphore is unlinked after the test."""
+    from .waiting import ReadGate
+
+    with ReadGate() as gate:
+        yield gate

@@ -2,21 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
-
-def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.005):
-    """Re-check ``pred()`` until it is truthy (returns its value) or ``timeout_s`` passed (raises
-    AssertionError naming ``what``).  For conditions only observable from outside (a reaper, a
-    process exit); a wait the product can signal should use that signal instead."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
+from .waiting import wait_until  # noqa: F401  (shared: older imports take it from here)
 
 
 def file_l3_overrides(tmp_path, lay, num_blocks: int, **extra) -> dict:
@@ -49,13 +35,8 @@ def fill_l3(start_sidecar, instance: str, lay, overrides: dict, kv, tokens) -> b
 
 
 def wait_l3_idle(conn, timeout_s: float = 20.0) -> dict:
-    """Wait (bounded) until the sidecar has no L3 PUT in flight; returns the last stats."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = conn.stats()
-        if not s["l3"]["puts_in_flight"] or time.monotonic() > deadline:
-            return s
-        time.sleep(0.01)
+    """Wait (bounded) until the sidecar has no L3 PUT in flight; returns those stats."""
+    return wait_until(conn.stats, timeout_s, "no L3 PUT in flight", until=lambda s: not s["l3"]["puts_in_flight"])
 
 
 def store_to_l3(conn, kv, tokens) -> tuple:
@@ -67,15 +48,14 @@ def store_to_l3(conn, kv, tokens) -> tuple:
     return chain, wait_l3_idle(conn)
 
 
-def wait_terminal(conn, req: str, timeout_s: float = 20.0) -> dict:
-    """Poll (bounded) until the request's prefetch session is terminal; returns its view."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        p = conn.poll(req)
-        if p["state"] == "terminal":
-            return p
-        time.sleep(0.005)
-    raise AssertionError(f"session {req} not terminal: {p}")
+def wait_terminal(conn, req: str, timeout_s: float = 20.0, attempt: int = 0) -> dict:
+    """Block (bounded) on the ``wait(terminal=True)`` op until the request's prefetch session is
+    terminal (the sidecar answers when it ends: no polling); returns its view."""
+    p = conn.wait(req, attempt=attempt, terminal=True, timeout_s=timeout_s)
+    assert p["state"] == "terminal", f"session {req} not terminal after {timeout_s} s: {p}"
+    # terminal, yet answered by the wait's own deadline: the session ended without waking it
+    assert not p.get("timed_out"), f"session {req} ended but its waiter was not woken: {p}"
+    return p
 
 
 def store_get_load_equal(conn, kv, tokens) -> int:

@@ -215,6 +215,7 @@ def kv_stress_worker(instance: str, layout_dict: dict, rank: int, group: str, se
         kc.save(st, kv, list(range(st.start, st.start + st.count)))
         kc.commit(st)
         if skew_s:
+            # the behaviour under test, not synchronisation: rank 1 arrives late by a random skew
             time.sleep(skew_rng.random() * skew_s if rank else 0)
         lease = kc.get(chain, req=f"s{step}", step=2 * step + 1)
         out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]

@@ -11,6 +11,8 @@ from kvsidecar.connector.client import SidecarClient
 from kvsidecar.shm import doorbell as D
 from kvsidecar.shm.doorbell import Doorbell
 
+from .waiting import wait_until
+
 
 def _bell(spin_s=50e-6):
     m = mmap.mmap(-1, 4096)
@@ -50,7 +52,7 @@ def test_a_paid_spin_keeps_spinning():
     assert bell.spins_skipped == 0
 
 
-def test_a_skipped_spin_still_wakes_on_a_ring():
+def test_a_skipped_spin_still_wakes_on_a_ring(timing):
     """Skipping the spin never loses a wake-up: the waiter sleeps on the futex and the ring wakes it."""
     bell, _keep = _bell()
     for _ in range(D.SPIN_MISSES):
@@ -59,9 +61,7 @@ def test_a_skipped_spin_still_wakes_on_a_ring():
     posted = []
 
     def poster():
-        deadline = time.monotonic() + 5
-        while not bell.sleeping() and time.monotonic() < deadline:  # the waiter is on the futex
-            time.sleep(0.001)
+        wait_until(bell.sleeping, 5, "the waiter on the futex", interval_s=0.001)
         flag.set()
         posted.append(bell.ring())
 
@@ -69,7 +69,7 @@ def test_a_skipped_spin_still_wakes_on_a_ring():
     t.start()
     t0 = time.monotonic()
     assert bell.wait(flag.is_set, 10.0) is True
-    assert time.monotonic() - t0 < 5.0
+    timing.within(t0, 5.0, "a futex wake")
     t.join(5)
     assert posted == [True]  # a futex wake was posted: the waiter really slept
     assert bell.spins_skipped == 1
@@ -77,16 +77,15 @@ def test_a_skipped_spin_still_wakes_on_a_ring():
 
 def test_client_does_not_spin_after_waking_a_sleeping_sidecar(sidecar, instance):
     with SidecarClient(instance, group="g") as c:
-        deadline = time.monotonic() + 10
-        woke = False
-        while time.monotonic() < deadline and not woke:
-            db = c._ctl.sidecar_doorbell
-            while not db.sleeping() and time.monotonic() < deadline:
-                time.sleep(0.005)  # the sidecar has gone to sleep on its doorbell
+        db = c._ctl.sidecar_doorbell
+
+        def ping_woke_it():
+            wait_until(db.sleeping, 10, "the sidecar asleep on its doorbell")
             before = (c._doorbell.spins_paid, c._doorbell.spins_unpaid, c._doorbell.spins_skipped)
             assert c.call("ping", payload=b"x")["payload"] == b"x"
-            woke = c._woke_sidecar
-            if woke:  # our post was the futex wake: the wait took no spin at all
+            if c._woke_sidecar:  # our post was the futex wake: the wait took no spin at all
                 after = (c._doorbell.spins_paid, c._doorbell.spins_unpaid, c._doorbell.spins_skipped)
                 assert after == before
-        assert woke
+            return c._woke_sidecar
+
+        wait_until(ping_woke_it, 10, "a ping whose post woke the sleeping sidecar")

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import pytest
 from kvsidecar.connector.client import SidecarClient
 from kvsidecar.sidecar import spawn
 from kvsidecar.sidecar.spawn import SidecarProcess, SidecarStartError, child_env, launcher_argv
+
+from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,15 +49,10 @@ def _published(instance, pings, timeout_s=20.0) -> dict:
     at most every stats_interval_ms, after the sidecar did some work)."""
     from kvsidecar.sidecar import inspector
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = inspector.snapshot(instance)
-        seen = snap["stats"].get("counters", {}).get("op_ping", 0)
-        if seen >= pings:
-            assert seen == pings, snap["stats"]
-            return snap
-        assert time.monotonic() < deadline, snap["stats"]
-        time.sleep(0.02)
+    snap = wait_until(lambda: inspector.snapshot(instance), timeout_s, f"{pings} pings in the published stats",
+                      until=lambda snap: snap["stats"].get("counters", {}).get("op_ping", 0) >= pings)
+    assert snap["stats"]["counters"]["op_ping"] == pings, snap["stats"]
+    return snap
 
 
 def test_inspector_reads_without_sending_a_request(sidecar, instance):

@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar import inspector
 
 from .helpers import file_l3_overrides, fill_l3, small_kv
+from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
@@ -72,13 +72,7 @@ def schema_errors(doc, schema, where="$") -> list:
 
 def published(instance, pred, timeout_s=20.0) -> dict:
     """The inspector's view once ``pred(view)`` holds (the tables are published after work)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        view = inspector.snapshot(instance)
-        if pred(view):
-            return view
-        assert time.monotonic() < deadline, json.dumps(view, indent=1)[:4000]
-        time.sleep(0.02)
+    return wait_until(lambda: inspector.snapshot(instance), timeout_s, "the inspector's published view", until=pred)
 
 
 def test_json_schema_with_a_session_and_a_lease(sidecar_factory, instance, tmp_path, l3_chain):
@@ -127,13 +121,8 @@ def _tmux(sock, *args) -> str:
 
 
 def _screen_until(sock, pred, what: str, timeout_s: float = 20.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        screen = _tmux(sock, "capture-pane", "-p", "-t", "w")
-        if pred(screen):
-            return screen
-        assert time.monotonic() < deadline, f"waiting for {what}; screen:\n{screen}"
-        time.sleep(0.05)
+    return wait_until(lambda: _tmux(sock, "capture-pane", "-p", "-t", "w"), timeout_s, f"{what} on the screen",
+                      until=pred)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/setup.sh installs it)")
@@ -165,10 +154,8 @@ def test_watch_in_tmux_shows_live_session_and_lease_then_their_absence(sidecar_f
             assert "CLIENTS (1 of" in screen  # the inspector holds no slot: only our connector
         _screen_until(sock, lambda s: "CLIENTS (0 of" in s, "the client gone")
         _tmux(sock, "send-keys", "-t", "w", "C-c")
-        deadline = time.monotonic() + 10
-        while subprocess.run(["tmux", "-L", sock, "has-session", "-t", "w"], capture_output=True).returncode == 0:
-            assert time.monotonic() < deadline, "the watch did not end on Ctrl-C"
-            time.sleep(0.05)
+        wait_until(lambda: subprocess.run(["tmux", "-L", sock, "has-session", "-t", "w"],
+                                          capture_output=True).returncode != 0, 10, "the watch ending on Ctrl-C")
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True, timeout=30)
 

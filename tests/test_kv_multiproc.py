@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from . import procs
+from .waiting import wait_until
 
 
 def layout_overrides(lay: KVLayout, num_blocks: int, **extra) -> dict:
@@ -161,11 +161,8 @@ def test_kill9_rank_holding_leases_releases_them(sidecar_factory, instance, grou
     assert s["pool"]["pinned"] == 8 and s["leases"]["live"] == 2
     os.kill(g.procs[1].pid, signal.SIGKILL)
     g.procs[1].join(5)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 2:
-        s = checked_stats(instance, lay)
-        if s["leases"]["live"] == 1:
-            break
+    s = wait_until(lambda: checked_stats(instance, lay), 10, "the killed rank's plain lease dropped",
+                   until=lambda s: s["leases"]["live"] == 1)
     # rank 1's plain lease is gone; the group lease keeps rank 0's share only
     assert s["leases"]["live"] == 1 and s["pool"]["pinned"] == 8
     assert g.ask(0, "release", lease=held["lease"]) is True

@@ -51,8 +51,7 @@ def test_size_cap_evicts_lru(tmp_path):
     fs = FileStore(str(tmp_path / "l3"), cap_bytes=5 * (1024 + 40))  # 40: the header
     _, sa = buf(1024)
     for i in range(5):
-        assert fs.write([f"k{i}"], [sa], 1024) == [True]
-        time.sleep(0.01)
+        assert fs.write([f"k{i}"], [sa], 1024) == [True]  # the LRU order is the store's own, not mtimes
     _, da = buf(1024)
     assert fs.read(["k0"], [da], 1024) == [True]  # k0 is now the most recently used
     assert fs.write(["k5"], [sa], 1024) == [True]

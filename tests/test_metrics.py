@@ -19,6 +19,7 @@ from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar import inspector
 
 from .helpers import file_l3_overrides, store_to_l3, wait_terminal
+from .waiting import wait_until
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48
@@ -47,13 +48,8 @@ def total(m: dict, name: str, **labels) -> float:
 
 def metrics_port(instance: str, timeout_s: float = 20.0) -> int:
     """The bound port, read from the stats the sidecar publishes (read-only, no request)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        port = inspector.snapshot(instance)["stats"].get("metrics", {}).get("port")
-        if port:
-            return port
-        assert time.monotonic() < deadline, "metrics port never published"
-        time.sleep(0.02)
+    return wait_until(lambda: inspector.snapshot(instance)["stats"].get("metrics", {}).get("port"), timeout_s,
+                      "the metrics port published")
 
 
 def overrides(tmp_path, **extra):
@@ -121,10 +117,9 @@ def test_series_follow_leases_sessions_errors_and_clients(sidecar_factory, insta
     assert value(m, "kvsidecar_clients_attached") == 1
     assert total(m, "kvsidecar_l3_errors_total") == 0
     assert value(m, "kvsidecar_scrape_stale") == 0
-    deadline = time.monotonic() + 10  # the slot is freed once the detach ack is consumed
-    while value(scrape(port), "kvsidecar_clients_attached") != 0:
-        assert time.monotonic() < deadline, "the detached client is still counted"
-        time.sleep(0.02)
+    # the slot is freed once the detach ack is consumed
+    wait_until(lambda: value(scrape(port), "kvsidecar_clients_attached"), 10, "the detached client uncounted",
+               until=lambda n: n == 0)
 
 
 def test_scrape_during_simulator_run_matches_its_totals():
@@ -216,7 +211,7 @@ class _StalledLoop:
             fn(*args)
 
 
-def test_a_scrape_never_waits_past_its_budget_and_says_stale():
+def test_a_scrape_never_waits_past_its_budget_and_says_stale(timing):
     from kvsidecar.sidecar.config import MetricsConfig, load_config
     from kvsidecar.sidecar.kv.ops import KVCore
     from kvsidecar.sidecar.observe.metrics import MetricsService
@@ -230,7 +225,7 @@ def test_a_scrape_never_waits_past_its_budget_and_says_stale():
     try:
         t0 = time.monotonic()
         m = scrape(port)  # nothing answers: only up / generation / stale
-        assert time.monotonic() - t0 < 5.0
+        timing.within(t0, 5.0, "a scrape of a stalled loop")
         assert value(m, "kvsidecar_scrape_stale") == 1 and value(m, "kvsidecar_generation") == 7
         assert not any(name.startswith("kvsidecar_pool") for name, _ in m)
         m = scrape(port)
@@ -294,10 +289,8 @@ def test_failed_puts_and_a_reclaimed_client_are_counted(sidecar_factory, instanc
     finally:
         p.kill()
         p.join(10)
-    deadline = time.monotonic() + 20
-    while value(m := scrape(port), "kvsidecar_clients_reclaimed_total") != 1:
-        assert time.monotonic() < deadline, "the killed client was never reclaimed"
-        time.sleep(0.02)
+    m = wait_until(lambda: scrape(port), 20, "the killed client reclaimed",
+                   until=lambda m: value(m, "kvsidecar_clients_reclaimed_total") == 1)
     assert value(m, "kvsidecar_clients_attached") == 0
     assert value(m, "kvsidecar_l3_put_blocks_total", result="failed") == N
     assert value(m, "kvsidecar_l3_put_blocks_total", result="published") == 0

@@ -3,7 +3,6 @@ deadline-cut partial, none) equal those of a cold full recompute, for prompts sh
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from kvsidecar.connector.adapter import AdapterConfig, EngineAdapter
 from kvsidecar.shm.layout import KVLayout
 
 from .helpers import wait_l3_idle
+from .waiting import wait_until
 from .tiny_model import HD, HPR, LAYERS, TP, TinyModel, greedy
 
 T = 4
@@ -56,15 +56,14 @@ class Engine:
             ad.on_queue_entry(req, toks)
         for ad in self.ads:
             ad.on_candidate(req)
-        deadline = time.monotonic() + 10
-        while True:
+
+        def step_ready():  # one scheduler step on every rank
             self.step += 1
             ready = [ad.check_progress(req, self.step)[0] for ad in self.ads]
             assert len(set(ready)) == 1  # ranks agree on every step
-            if ready[0]:
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+            return ready[0]
+
+        wait_until(step_ready, 10, f"{req}'s prefetch ready on every rank")
         self.step += 1
         free = [list(range(PAGES)) for _ in range(TP)]
         slots = [ad.admit(req, toks, self.step, lambda n, f=f: [f.pop(0) for _ in range(n)])

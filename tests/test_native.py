@@ -11,6 +11,8 @@ from kvsidecar._native import copy as ncopy
 from kvsidecar._native import hashing
 from kvsidecar.shm.segment import Segment
 
+from .waiting import wait_until
+
 
 @pytest.fixture
 def seg(instance):
@@ -59,18 +61,28 @@ def test_cas_is_atomic_across_threads(seg):
     assert a.load_acquire_u64(addr) == n * per
 
 
-def test_futex_wait_times_out_and_wakes(seg):
+def _on_futex(tid: int, addr: int) -> bool:
+    """Whether thread ``tid`` of this process is blocked in a syscall whose first argument is
+    ``addr`` (the futex word: nothing else here takes that address), per /proc's syscall file."""
+    with open(f"/proc/self/task/{tid}/syscall") as f:
+        fields = f.read().split()  # "<nr> <arg0> ..." while blocked; "running" otherwise
+    return len(fields) > 1 and int(fields[1], 16) == addr
+
+
+def test_futex_wait_times_out_and_wakes(seg, timing):
     addr = seg.address + 128
     a.store_release_u32(addr, 1)
     t0 = time.monotonic()
     assert a.futex_wait(addr, 1, 0.02) is False
-    assert 0.015 <= time.monotonic() - t0 < 1.0
+    assert timing.within(t0, 1.0, "a 20 ms futex timeout") >= 0.015  # it really waited
     assert a.futex_wait(addr, 2, 1.0) is True  # value differs: returns at once
     with pytest.raises(ValueError):
         a.futex_wait(addr, 1, -1.0)
 
-    def waker():
-        time.sleep(0.02)
+    waiter = threading.get_native_id()
+
+    def waker():  # wakes the waiter once it is on the futex (not before: that would test nothing)
+        wait_until(lambda: _on_futex(waiter, addr), 10, "the main thread waiting on the futex")
         a.fetch_add_u32(addr, 1)
         a.futex_wake(addr)
 
@@ -78,7 +90,7 @@ def test_futex_wait_times_out_and_wakes(seg):
     t.start()
     t0 = time.monotonic()
     assert a.futex_wait(addr, 1, 5.0) is True
-    assert time.monotonic() - t0 < 2.0
+    timing.within(t0, 2.0, "a futex wake")
     t.join()
 
 

@@ -27,6 +27,7 @@ from kvsidecar.sidecar.kv.pool_memory import create_pool_segment
 from kvsidecar.sidecar.spawn import child_env, launcher_argv
 
 from .helpers import store_get_load_equal
+from .waiting import wait_until
 
 MiB = 1 << 20
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, tokens_per_block=16, tp_size=1)  # 8 KiB blocks
@@ -306,10 +307,7 @@ def test_death_word_reports_a_killed_holder_and_not_a_release(instance):
             assert a.poll(30) and a.recv() is True
             died = threading.Event()
             dw = DeathWordWatch(seg.address + DEATH_WORD_OFFSET, p.pid, died.set)
-            deadline = time.monotonic() + 5
-            while not dw.tid and time.monotonic() < deadline:  # it arms on the holder's tid
-                time.sleep(0.001)
-            assert dw.tid
+            wait_until(lambda: dw.tid, 5, "the watch armed on the holder's tid", interval_s=0.001)
             if how == "kill":
                 os.kill(p.pid, signal.SIGKILL)
                 assert died.wait(10)
@@ -333,10 +331,7 @@ def test_death_word_watch_stops_promptly(instance):
         s = DeathSentinel(seg.address + DEATH_WORD_OFFSET)  # held by a thread of this process
         assert s.held
         dw = DeathWordWatch(seg.address + DEATH_WORD_OFFSET, os.getpid(), lambda: None)
-        deadline = time.monotonic() + 5
-        while not dw.tid and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert dw.tid
+        wait_until(lambda: dw.tid, 5, "the watch armed on the holder's tid", interval_s=0.001)
         dw.stop(join_s=5)
         assert not dw.alive
         s.release()

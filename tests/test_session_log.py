@@ -3,7 +3,6 @@ from a real sidecar's log, matched against what each session's poll said."""
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -14,6 +13,7 @@ from kvsidecar.sidecar.observe.sessionlog import format_line, parse_line
 from kvsidecar.sidecar.spawn import SidecarProcess
 
 from .helpers import file_l3_overrides, store_to_l3, wait_terminal
+from .waiting import wait_until
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48
@@ -68,10 +68,8 @@ def test_one_line_per_terminal_session(instance, tmp_path):
                 c.release(c.get(chain, req="cut", step=1))  # its result lease: now the pool can be flushed
                 c.flush()
                 c.prefetch(chain, "gone", policy="best_effort", chunk_max_blocks=4)
-                deadline = time.monotonic() + 10
-                while c.poll("gone")["state"] != "running":  # reading: one chunk in flight, one queued
-                    assert time.monotonic() < deadline
-                    time.sleep(0.002)
+                # reading: one chunk in flight, one queued
+                wait_until(lambda: c.poll("gone")["state"], 10, "'gone' running", until=lambda s: s == "running")
                 c.abort("gone")
                 views["gone"] = wait_terminal(c, "gone")
                 stats = c.stats(check=True)

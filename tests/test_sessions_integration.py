@@ -12,6 +12,7 @@ from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from .helpers import file_l3_overrides, fill_l3, small_kv, wait_l3_idle, wait_terminal
+from .waiting import wait_read_held, wait_until
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48  # blocks in the test chain
@@ -75,15 +76,16 @@ def test_long_timeout_restores_everything(sidecar_factory, instance, tmp_path, k
 
 
 def test_best_effort_stops_on_demand_and_completes_when_queued(sidecar_factory, instance, tmp_path, kv,
-                                                                  l3_filled):
-    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+                                                                  l3_filled, timing, read_gate):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}, **read_gate.overrides()))
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
-        time.sleep(0.03)
+        wait_read_held(c)  # a chunk's read is in flight
         t0 = time.monotonic()
         c.demand("a")
+        read_gate.open()
         p = wait_terminal(c, "a")
-        assert time.monotonic() - t0 < 2.0  # one chunk's transfer (stop latency is benchmarked: bench.py stop)
+        timing.within(t0, 2.0, "demand to terminal")  # one chunk's transfer (stop latency: bench.py stop)
         assert p["status"] == "demanded" and p["prefix"] < N
         get_and_check(c, l3_filled, "a", kv)
     with KVConnector(instance, LAY, namespace="") as c:
@@ -94,13 +96,14 @@ def test_best_effort_stops_on_demand_and_completes_when_queued(sidecar_factory, 
         books(c)
 
 
-def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_path, kv, l3_filled):
-    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}))
+def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_path, kv, l3_filled, read_gate):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}, **read_gate.overrides()))
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
-        time.sleep(0.04)
+        wait_read_held(c)  # a chunk's read is in flight
         v = c.abort("r")
-        assert v["state"] in ("draining", "terminal")
+        assert v["state"] == "draining"  # it waits for the held read
+        read_gate.open()
         p = wait_terminal(c, "r")
         assert p["status"] == "aborted" and p["lease"] == 0
         assert c.abort("r")["status"] == "aborted"  # idempotent
@@ -142,7 +145,7 @@ def test_two_ranks_one_session_and_consistent_polls(sidecar_factory, instance, t
         if pa["state"] == "terminal":
             break
         assert step < 10_000
-        time.sleep(0.002)
+        ranks[0].wait("r", until=pa["published"] + 1, timeout_s=5.0)  # the next step once a block lands
     assert pa["status"] == "complete" and pa["prefix"] == N
     leases = [c.get(chain, req="r", step=step + 1) for c in ranks]
     assert leases[0].id == leases[1].id and leases[0].count == leases[1].count == N
@@ -206,13 +209,8 @@ def test_client_death_aborts_its_sessions(sidecar_factory, instance, tmp_path, k
     p.kill()
     p.join(5)
     with KVConnector(instance, LAY, group="observer") as c:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            s = books(c)
-            if s["sessions"].get("terminal_aborted") == 1 and s["pool"]["staging"] == 0:
-                break
-            time.sleep(0.02)
-        assert s["sessions"]["terminal_aborted"] == 1
+        s = wait_until(lambda: books(c), 5, "the dead client's session aborted and its staging dropped",
+                       until=lambda s: s["sessions"].get("terminal_aborted") == 1 and s["pool"]["staging"] == 0)
         assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
 
 
@@ -240,9 +238,10 @@ def test_config_policy_override_and_retained_ttl(sidecar_factory, instance, tmp_
         p = wait_terminal(c, "r")
         assert p["status"] == "complete" and p["prefix"] == N and p["chunks"] == 1  # one graph
         assert books(c)["leases"]["live"] == 1  # the retained result
-        time.sleep(0.6)  # past retained_ttl_s: the reaper releases it (nobody took it)
-        s = books(c)
-        assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+        # past retained_ttl_s the reaper releases it (nobody took it)
+        s = wait_until(lambda: books(c), 10, "the reaper releasing the retained lease",
+                       until=lambda s: s["leases"]["live"] == 0)
+        assert s["pool"]["pinned"] == 0
         assert s["leases"].get("dropped_expired", 0) == 1
         assert c.poll("r")["state"] == "unknown"  # and the record is forgotten
 
@@ -268,7 +267,7 @@ def test_a_short_session_does_not_cut_a_long_one_on_a_shared_prefix(sidecar_fact
 
 
 def test_wait_answers_at_the_query_at_a_published_count_and_at_its_deadline(sidecar_factory, instance, tmp_path,
-                                                                            kv, l3_filled):
+                                                                            kv, l3_filled, timing):
     """The deferred ``wait`` op (what the SGLang backend blocks on instead of polling): it answers
     once the L3 query is done (target known, nothing read yet), once ``until`` blocks are
     published, or at its own deadline with ``timed_out`` -- and for an unknown request at once."""
@@ -285,7 +284,7 @@ def test_wait_answers_at_the_query_at_a_published_count_and_at_its_deadline(side
         t0 = time.monotonic()
         late = c.wait("t", until=N + 1, timeout_s=0.05)  # more than the chain: only the deadline ends it
         assert late.get("timed_out") or late["state"] == "terminal"
-        assert time.monotonic() - t0 < 5.0
+        timing.within(t0, 5.0, "a wait past its deadline answering")
         c.abort("t")
         wait_terminal(c, "t")
         s = books(c)

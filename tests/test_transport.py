@@ -16,20 +16,11 @@ from kvsidecar.shm.segment import Segment
 from kvsidecar.sidecar.spawn import SidecarProcess
 
 from . import procs
+from .waiting import wait_until
 
 
 def stats(c):
     return c.call("stats")["stats"]
-
-
-def wait_until(pred, timeout_s, step_s=0.002):
-    """Test helper: re-check ``pred`` until true or ``timeout_s``; returns elapsed or None."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if pred():
-            return time.monotonic() - t0
-        time.sleep(step_s)
-    return None
 
 
 def test_attach_ping_detach(sidecar, instance):
@@ -43,7 +34,7 @@ def test_attach_ping_detach(sidecar, instance):
     seg = Segment.attach(f"/{instance}.ctl", readonly=True)
     try:
         ctl = ControlSegment(seg)
-        assert wait_until(lambda: ctl.slot_state(slot)[1] == SLOT_FREE, 2.0) is not None
+        wait_until(lambda: ctl.slot_state(slot)[1] == SLOT_FREE, 10, "the detached slot freed")
     finally:
         seg.close()
 
@@ -68,7 +59,7 @@ def test_eight_clients_concurrently_with_checksums(sidecar, instance, spawn_ctx)
         assert len(s["clients"]) == 1  # the 8 workers detached and were freed
 
 
-def test_kill9_client_mid_stream_is_reclaimed(sidecar, instance, spawn_ctx):
+def test_kill9_client_mid_stream_is_reclaimed(sidecar, instance, spawn_ctx, timing):
     survivor = SidecarClient(instance, group="survivor")
     survivor.attach()
     a, b = spawn_ctx.Pipe()
@@ -80,15 +71,16 @@ def test_kill9_client_mid_stream_is_reclaimed(sidecar, instance, spawn_ctx):
     try:
         ctl = ControlSegment(seg)
         assert ctl.slot_state(slot)[1] != SLOT_FREE
-        time.sleep(0.05)  # it is pinging in a loop
+        wait_until(lambda: [c["requests"] for c in stats(survivor)["clients"] if c["group"] == "victim"],
+                   10, "the victim pinging", until=lambda seen: seen and seen[0] >= 20)  # mid-stream
         os.kill(victim.pid, signal.SIGKILL)
         t0 = time.monotonic()
         victim.join(5)
-        elapsed = wait_until(lambda: ctl.slot_state(slot)[1] == SLOT_FREE, 2.0, step_s=0.001)
-        assert elapsed is not None, "slot not reclaimed"
+        wait_until(lambda: ctl.slot_state(slot)[1] == SLOT_FREE, 10, "the killed client's slot reclaimed",
+                   interval_s=0.001)
         # DESIGN's 100 ms is a benchmark figure (bench.py startup: reclaim latency); a test on a
         # loaded 2-core machine only bounds it generously
-        assert time.monotonic() - t0 < 1.0
+        timing.within(t0, 1.0, "kill -9 to slot reclaimed")
     finally:
         seg.close()
     for i in range(200):
@@ -99,7 +91,7 @@ def test_kill9_client_mid_stream_is_reclaimed(sidecar, instance, spawn_ctx):
     survivor.detach()
 
 
-def test_sidecar_kill9_then_restart(sidecar_factory, instance):
+def test_sidecar_kill9_then_restart(sidecar_factory, instance, timing):
     first = sidecar_factory()
     c = SidecarClient(instance, group="g", liveness_slice_s=0.01)
     c.attach()
@@ -108,7 +100,7 @@ def test_sidecar_kill9_then_restart(sidecar_factory, instance):
     t0 = time.monotonic()
     with pytest.raises(SidecarUnavailable):
         c.call("ping")
-    assert time.monotonic() - t0 < 1.0  # typed error, not a hang (the 50 ms target is measured by bench.py ring)
+    timing.within(t0, 1.0, "a call to a killed sidecar")  # typed error, not a hang (50 ms target: bench.py ring)
     with pytest.raises(SidecarUnavailable):  # stays broken, fails at once
         c.call("ping")
     assert os.path.exists(f"/dev/shm/{instance}.ctl")  # a crash leaves the segment behind
@@ -122,7 +114,7 @@ def test_sidecar_kill9_then_restart(sidecar_factory, instance):
     c.detach()
 
 
-def test_sigterm_unlinks_and_clients_fail_fast(sidecar_factory, instance):
+def test_sigterm_unlinks_and_clients_fail_fast(sidecar_factory, instance, timing):
     sp = sidecar_factory()
     c = SidecarClient(instance)
     c.attach()
@@ -131,7 +123,7 @@ def test_sigterm_unlinks_and_clients_fail_fast(sidecar_factory, instance):
     t0 = time.monotonic()
     with pytest.raises(SidecarUnavailable):
         c.call("ping")
-    assert time.monotonic() - t0 < 1.0
+    timing.within(t0, 1.0, "a call to a stopped sidecar")
     c.close()
 
 
@@ -203,7 +195,7 @@ def test_corrupt_ring_drops_only_that_client(sidecar, instance):
 
     atomics.store_release_u64(ring.tail_addr, ring._tail + 8)
     evil._ctl.sidecar_doorbell.ring()
-    assert wait_until(lambda: stats(good)["counters"].get("errors_ring_corrupted") == 1, 5)
+    wait_until(lambda: stats(good)["counters"].get("errors_ring_corrupted") == 1, 5, "the corrupt ring counted")
     assert good.call("ping", payload=b"still")["payload"] == b"still"
     evil.close()
     good.detach()
@@ -263,10 +255,8 @@ def test_all_slots_taken_is_a_clear_busy(instance, tmp_path):
             with pytest.raises(SidecarBusy, match=rf"all 2 client slots .* taken \(pid {os.getpid()} holds 2 "
                                                   r"\(this process\)\)"):
                 SidecarClient(instance).attach()
-        deadline = time.monotonic() + 10
-        while a.call("stats")["stats"]["counters"].get("slot_exhaustions", 0) != 3:
-            assert time.monotonic() < deadline, "the sidecar did not count the refusals"
-            time.sleep(0.01)
+        wait_until(lambda: a.call("stats")["stats"]["counters"].get("slot_exhaustions", 0), 10,
+                   "the sidecar counting the 3 refusals", until=lambda n: n == 3)
         view = inspector.snapshot(instance)
         assert view["sidecar"]["slot_exhaustions"] == 3 and view["sidecar"]["slots_in_use"] == 2
         assert view["slots_by_pid"] == [{"pid": os.getpid(), "slots": 2, "active": 2, "claimed": 0}]
@@ -311,7 +301,11 @@ def test_idle_sidecar_does_not_poll(sidecar, instance, spawn_ctx):
     for a in pipes:
         assert a.poll(30)
         a.recv()
-    time.sleep(0.3)
+    seg = Segment.attach(f"/{instance}.ctl", readonly=True)
+    try:  # settled: the sidecar is asleep on its doorbell
+        wait_until(ControlSegment(seg).sidecar_doorbell.sleeping, 10, "the sidecar asleep on its doorbell")
+    finally:
+        seg.close()
 
     def ticks():
         with open(f"/proc/{sidecar.pid}/stat") as f:
@@ -319,7 +313,7 @@ def test_idle_sidecar_does_not_poll(sidecar, instance, spawn_ctx):
         return int(rest[11]) + int(rest[12])
 
     t0 = ticks()
-    time.sleep(1.5)
+    time.sleep(1.5)  # the measurement window (the behaviour under test), not synchronisation
     used = (ticks() - t0) / os.sysconf("SC_CLK_TCK")
     assert used <= 0.03, f"idle sidecar used {used:.3f} s of CPU in 1.5 s"
     for a in pipes:

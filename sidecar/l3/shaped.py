@@ -6,6 +6,10 @@
   (the last block), ``"random"`` (each with ``fail_prob``), ``"keys"`` (keys containing
   any of ``fail_keys``) or ``""``;
 * ``hang``: reads block until :meth:`release_hang` (or close), to test drains and aborts.
+* ``read_gate``: the name of a POSIX named semaphore a test created (closed, value 0); every read
+  waits until it can take the semaphore's token (and gives it back), so a test from another
+  process holds reads "mid-flight" until it releases the token once.  ``stats()["gate_waiting"]``
+  counts the reads held there.  Off ("") by default: then reads never touch it.
 
 Delays wait on an event, so ``close`` cuts them short; nothing sleeps blindly.
 """
@@ -16,13 +20,15 @@ import random
 import threading
 import time
 
+import posix_ipc
+
 from kvsidecar.sidecar.l3.base import L3Backend
 
 
 class ShapedBackend(L3Backend):
     def __init__(self, inner: L3Backend, *, latency_s: float = 0.0, bandwidth_bps: float = 0.0,
                  fail: str = "", fail_prob: float = 0.0, fail_keys: tuple = (), hang: bool = False,
-                 seed: int = 0):
+                 read_gate: str = "", seed: int = 0):
         self.inner = inner
         self.name = f"shaped({inner.name})"
         self.max_batch = inner.max_batch
@@ -38,7 +44,11 @@ class ShapedBackend(L3Backend):
             self._hang.set()
         self.calls = 0
         self.in_flight = 0
+        # the test made the semaphore before starting the sidecar: a missing one is its error
+        self._gate = posix_ipc.Semaphore(read_gate) if read_gate else None
+        self.gate_waiting = 0
         self._lock = threading.Lock()
+        self._gate_idle = threading.Condition(self._lock)  # notified when a held read leaves the gate
 
     def release_hang(self) -> None:
         self._hang.set()
@@ -68,12 +78,34 @@ class ShapedBackend(L3Backend):
         try:
             while not self._hang.is_set() and not self._closed.is_set():
                 self._hang.wait(0.5)
+            if self._gate is not None:
+                self._pass_gate()
             self._delay(size * len(keys))
             ok = self.inner.read(keys, addrs, size, tails, tail_size)
             return [o and not self._fails(i, len(keys), k) for i, (o, k) in enumerate(zip(ok, keys))]
         finally:
             with self._lock:
                 self.in_flight -= 1
+
+    def _pass_gate(self) -> None:
+        """Wait until the gate's token can be taken (then give it back: the gate stays open), or
+        close; the semaphore wakes the waiter, the timeout only re-checks close."""
+        with self._lock:
+            if self._closed.is_set():  # closing: the handle may be gone; nothing more is held
+                return
+            self.gate_waiting += 1
+        try:
+            while not self._closed.is_set():
+                try:
+                    self._gate.acquire(0.5)
+                except posix_ipc.BusyError:
+                    continue
+                self._gate.release()
+                return
+        finally:
+            with self._lock:
+                self.gate_waiting -= 1
+                self._gate_idle.notify_all()
 
     def _fails(self, i: int, n: int, key: str) -> bool:
         if self.fail == "first":
@@ -91,7 +123,10 @@ class ShapedBackend(L3Backend):
         return self.inner.write(keys, addrs, size, tails, tail_size)
 
     def stats(self):
-        return {**self.inner.stats(), "shaped": True, "calls": self.calls}
+        out = {**self.inner.stats(), "shaped": True, "calls": self.calls}
+        if self._gate is not None:
+            out["gate_waiting"] = self.gate_waiting
+        return out
 
     def interrupt(self):
         self._closed.set()
@@ -99,4 +134,16 @@ class ShapedBackend(L3Backend):
 
     def close(self):
         self.interrupt()
+        if self._gate is not None:
+            self._close_gate()
         self.inner.close()
+
+    def _close_gate(self) -> None:
+        """Wake the held reads (one token: each passing read gives it back to the next), wait
+        (bounded) until none is inside ``acquire``, then close our handle; the test unlinks the
+        semaphore.  (Closing it under a waiting thread would be undefined behaviour.)"""
+        self._gate.release()
+        with self._lock:
+            idle = self._gate_idle.wait_for(lambda: self.gate_waiting == 0, timeout=2.0)
+        if idle:
+            self._gate.close()

@@ -185,8 +185,9 @@ class SessionExecutor:
             out += rec.machine.handle(ChunkWithdrawn(chunk, self.clock()))
         return out
 
-    def abandon_in_flight(self, rec: Record) -> None:
-        """The drain budget ran out: stop waiting on reads still in flight (they become orphans)."""
+    def abandon_in_flight(self, rec: Record) -> list:
+        """The drain budget ran out: stop waiting on reads still in flight (they become orphans).
+        Returns the machine's actions; the caller runs them and wakes the session's waiters."""
         now = self.clock()
         actions = []
         for chunk, io in list(rec.chunks.items()):
@@ -200,7 +201,7 @@ class SessionExecutor:
         if rec.abandoned:
             log.warning("session %d: drain budget ran out, %d chunk(s) still in flight left behind",
                         rec.id, rec.abandoned)
-        self.carry_out(rec, actions)
+        return actions
 
 
 __all__ = ["SessionExecutor"]

@@ -253,7 +253,7 @@ class SessionManager(Service):
         rec = self.by_id.get(sid)
         if rec is None or rec.machine.state != State.DRAINING:
             return
-        self.executor.abandon_in_flight(rec)
+        self._run(rec, self.executor.abandon_in_flight(rec))  # (through _run: its waiters are woken)
 
     def _finish(self, rec: Record, a: Finish) -> None:
         now = self.clock()

@@ -66,13 +66,8 @@ def chaos_rank(instance: str, layout_dict: dict, rank: int, group: str, pages: i
                 conn.send(("phase", "prefetching"))
                 res = True
             elif cmd == "poll_terminal":
-                deadline = time.monotonic() + args.get("timeout_s", 20.0)
-                while True:
-                    p = kc.poll(args["req"])
-                    if p["state"] == "terminal" or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.005)  # poll cadence, bounded by the deadline
-                res = p
+                # the sidecar answers when the session ends (or at the bound): no polling
+                res = kc.wait(args["req"], terminal=True, timeout_s=args.get("timeout_s", 20.0))
             elif cmd == "lookup_timed":  # a call whose failure time is measured (dead sidecar)
                 chain = kc.hasher.chain(args["tokens"])
                 t0 = time.monotonic()

@@ -22,6 +22,8 @@ import os
 import random
 import time
 
+from scripts.common import percentile as _pct
+
 LAYOUT = dict(model="soak", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=4,
               tp_size=1, mla=False)
 POOL_BLOCKS = 2048
@@ -158,12 +160,7 @@ def worker(instance: str, wid: int, seed: int, stop, conn) -> None:
                     elif fate < 0.4 and policy == "best_effort":
                         c.demand(req)
                         counts["demand"] += 1
-                    deadline = time.monotonic() + 10.0
-                    while True:
-                        p = c.poll(req)
-                        if p["state"] == "terminal" or time.monotonic() > deadline:
-                            break
-                        time.sleep(0.002)  # poll cadence (bounded by the deadline above)
+                    p = c.wait(req, terminal=True, timeout_s=10.0)  # answered when it ends (bounded)
                     if p["state"] != "terminal":
                         errors["session_not_terminal"] = errors.get("session_not_terminal", 0) + 1
                         c.abort(req)
@@ -187,13 +184,6 @@ def _rss_kib(pid: int, field: str = "VmRSS") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
-
-
-def _pct(xs, q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def run(instance: str, l3_dir: str, *, target_evictions: int, workers: int = 3, seed: int = 1,

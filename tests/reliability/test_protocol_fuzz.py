@@ -49,6 +49,7 @@ from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from ..helpers import wait_l3_idle, wait_terminal
+from ..waiting import wait_until
 from .rawslot import raw_slot
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
@@ -632,14 +633,7 @@ def test_protocol_fuzz(victim_world, instance):
                     cm.__exit__(None, None, None)
             fzg.detach()
         # the fuzzing clients left: everything they held is released, the books are the victim's again
-        deadline = time.monotonic() + 10
-        while True:
-            s = vic.stats(check=True)
-            assert s["invariants"] == "", s["invariants"]
-            if _books_key(s) == base_books or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        assert _books_key(s) == base_books, (n, _books_key(s), base_books)
+        s = _settle(vic, base_books)
         vic.flush()  # the next example starts with the L3 chains out of the pool again
         totals["examples"] += 1
 
@@ -908,11 +902,8 @@ def test_other_clients_ids_double_ops_and_odd_fields_get_typed_answers(sidecar_f
             assert _code(obs.call, op, **fields) == ErrorCode.NOT_ATTACHED, op
 
         evil.detach()
-        deadline = time.monotonic() + 10
-        while _books_key(s := vic.stats(check=True)) != {**_books_key(before), "clients": 2}:
-            assert time.monotonic() < deadline, (_books_key(s), _books_key(before))
-            time.sleep(0.005)
-        assert s["invariants"] == "" and s["counters"].get("errors_internal", 0) == 0
+        s = _settle(vic, {**_books_key(before), "clients": 2})
+        assert s["counters"].get("errors_internal", 0) == 0
         # the victim's holdings are intact and its own
         assert vic.lookup(chain_v) == 8 and vic.poll("vreq")["lease"] == view["lease"]
         assert vic.release(lease) is True and vic.release(glease) is True
@@ -924,14 +915,12 @@ def test_other_clients_ids_double_ops_and_odd_fields_get_typed_answers(sidecar_f
 
 def _settle(conn, want: dict, timeout_s: float = 10.0) -> dict:
     """Wait (bounded) until a departure is processed and the books read ``want``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def books():
         s = conn.stats(check=True)
         assert s["invariants"] == "", s["invariants"]
-        if _books_key(s) == want:
-            return s
-        assert time.monotonic() < deadline, (_books_key(s), want)
-        time.sleep(0.005)
+        return s
+
+    return wait_until(books, timeout_s, f"the books reading {want}", until=lambda s: _books_key(s) == want)
 
 
 def test_a_group_whose_partner_rank_never_attached_leaves_nothing_pinned_or_staged(sidecar_factory, instance,
