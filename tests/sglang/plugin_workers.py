@@ -152,9 +152,9 @@ def _rank_main(rank: int, instance: str, port: int, arms: list) -> list:
             host.kv_buffer.zero_()
             dist.barrier()
             if rank == 0:  # both shards published and written behind: flush the CPU pool
-                deadline = time.monotonic() + 30
-                while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                from tests.helpers import wait_l3_idle
+
+                wait_l3_idle(c, 30)
                 assert c.lookup(backend._chain(hashes)) == n_pages
                 c.flush()
                 assert c.lookup(backend._chain(hashes)) == 0

@@ -46,6 +46,7 @@ from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
 from tests.sglang.test_backend_threads import config, host_pool, indices, page_bytes  # noqa: E402
 from tests.sglang.test_hicache_controller import build, tp_group, wait_get  # noqa: E402,F401
 from tests.sglang.test_hicache_controller import page_bytes as token_bytes  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -57,16 +58,6 @@ ME = os.getpid()
 def my_slots(instance: str) -> int:
     """Client slots this process holds now (claimed or active), read live from the slot table."""
     return sum(h["slots"] for h in inspector.snapshot(instance)["slots_by_pid"] if h["pid"] == ME)
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def overrides(pool, tmp_path, **extra) -> dict:

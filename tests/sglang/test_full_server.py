@@ -27,6 +27,7 @@ from kvsidecar.sidecar.l3.master import free_port  # noqa: E402
 from kvsidecar.sidecar.spawn import SidecarProcess  # noqa: E402
 from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
 from kvsidecar.shm.layout import KVLayout  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -106,15 +107,15 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=str(ROOT))
     try:
-        deadline = time.monotonic() + 300
-        while True:
+        def healthy() -> bool:
             assert proc.poll() is None, log_path.read_text()[-3000:]
             try:
                 http(port, "/health", method="GET", timeout=2)
-                break
+                return True
             except (urllib.error.URLError, ConnectionError, TimeoutError):
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(1)
+                return False
+
+        wait_until(healthy, 300, "the server up (/health)", interval_s=1.0)
     except BaseException:
         stop_server(proc, log, sc, instance)
         raise
@@ -167,13 +168,8 @@ def server_factory(instance, tmp_path):
 
 
 def flush(port):
-    deadline = time.monotonic() + 60
-    while True:
-        msg = http(port, "/flush_cache")
-        if "flushed" in str(msg).lower() and "not" not in str(msg).lower().split("flushed")[0]:
-            return
-        assert time.monotonic() < deadline, msg
-        time.sleep(1)
+    wait_until(lambda: http(port, "/flush_cache"), 60, "the server flushing its cache", interval_s=1.0,
+               until=lambda msg: "flushed" in str(msg).lower() and "not" not in str(msg).lower().split("flushed")[0])
 
 
 def published_blocks(instance) -> int:
@@ -186,13 +182,8 @@ def wait_published(instance, at_least: int, timeout_s: float, what: str) -> int:
     """Bounded wait until the sidecar has published ``at_least`` blocks (SGLang writes through to
     its storage backend from each rank's backup thread, asynchronously: possibly after the request
     has returned)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        n = published_blocks(instance)
-        if n >= at_least:
-            return n
-        assert time.monotonic() < deadline, f"{what}: {n} of {at_least} blocks published in {timeout_s:.0f} s"
-        time.sleep(0.1)
+    return wait_until(lambda: published_blocks(instance), timeout_s, f"{what}: {at_least} blocks published",
+                      until=lambda n: n >= at_least, interval_s=0.1)
 
 
 
@@ -209,16 +200,6 @@ def probe(instance, over) -> KVConnector:
     c = KVConnector(instance, lay, rank=0, group=GROUP, populate="off")
     c.attach()
     return c
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_full_server_plugin_drives_sessions(server_factory, instance, tmp_path):

@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 
 from kvsidecar.connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
+from tests.helpers import wait_l3_idle  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -158,10 +159,8 @@ def test_with_real_mooncake_behind_the_sidecar(sidecar_factory, instance, tmp_pa
     ks = keys(64, salt="m")
     want = page_bytes(pool, range(64))
     assert all(b.batch_set_v1(ks, page_indices(range(64))))
-    deadline = time.monotonic() + 10
     with b.connection() as c:
-        while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_l3_idle(c, 10)
     b.clear()  # the CPU pool forgets; Mooncake keeps them
     with b.connection() as c:
         assert c.lookup(b._chain(ks)) == 0
