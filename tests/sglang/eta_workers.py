@@ -9,10 +9,11 @@ the part that needs a model) returns no batch.  Results go back through a pipe; 
 from __future__ import annotations
 
 import threading
-import time
 import traceback
 import types
 from array import array
+
+from tests.waiting import wait_until
 
 from . import plugin_workers as W
 
@@ -71,9 +72,7 @@ def _rank_main(rank: int, instance: str, port: int) -> dict:
         dist.barrier()
         with backend.connection() as c:
             if rank == 0:
-                deadline = time.monotonic() + 30
-                while c.stats()["l3"]["puts_in_flight"] and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                wait_until(lambda: c.stats()["l3"]["puts_in_flight"] == 0, 30, "the L3 write-through to land")
                 c.flush()
         dist.barrier()
         # SGLang's scheduler as the hook sees it: genuine Reqs in admission order; this rank's
@@ -117,9 +116,7 @@ def _rank_main(rank: int, instance: str, port: int) -> dict:
         iteration()
         sched.chunked_req = Req("eta-chunked", "", array("q", prompts[0] * 2), SamplingParams(max_new_tokens=1))
         iteration()  # a chunked prefill of 1,024 tokens runs ahead of both
-        deadline = time.monotonic() + 10
-        while eta.counters["sent"] < eta.counters["planned"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: eta.counters["sent"] >= eta.counters["planned"], 10, "the ETA sender to send every planned update")
         out["plans"] = plans
         out["history"] = [list(map(list, h[1])) for h in eta.history]
         out["counters"] = dict(eta.counters)
@@ -130,9 +127,8 @@ def _rank_main(rank: int, instance: str, port: int) -> dict:
         dist.barrier()
         if rank == 0:
             with backend.connection() as c:
-                deadline = time.monotonic() + 10  # aborted sessions drain the reads they have in flight
-                while c.stats()["sessions"]["outstanding_staging"] and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                # aborted sessions drain the reads they have in flight
+                wait_until(lambda: c.stats()["sessions"]["outstanding_staging"] == 0, 10, "aborted sessions to drain")
                 s = c.stats(check=True)
                 out["books"] = {"invariants": s["invariants"], "leases_live": s["leases"]["live"],
                                 "pinned": s["pool"]["pinned"], "session_staging": s["sessions"]["outstanding_staging"]}
