@@ -19,16 +19,12 @@ from kvsidecar.connector.client import SidecarClient
 from kvsidecar.shm import protocol
 from kvsidecar.sidecar.spawn import SidecarProcess
 
+from scripts.common import cpu_seconds, percentile
+
 
 def _pct(samples, q):
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))] * 1e6
-
-
-def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return int(rest[11]) + int(rest[12])  # utime + stime
+    """The ``q`` quantile of round-trip samples (seconds), in microseconds."""
+    return percentile(samples, q) * 1e6
 
 
 def _idle_client(instance, conn):
@@ -182,9 +178,9 @@ def run(quick: bool = False) -> dict:
                 a.recv()
             time.sleep(0.5)
             window_s = 5.0
-            t_start = _cpu_ticks(sc.pid)
-            time.sleep(window_s)
-            used = (_cpu_ticks(sc.pid) - t_start) / os.sysconf("SC_CLK_TCK")
+            t_start = cpu_seconds(sc.pid)
+            time.sleep(window_s)  # the measured idle window
+            used = cpu_seconds(sc.pid) - t_start
             res["idle_cpu_fraction"] = used / window_s
             res["idle_clients"] = 8
             for a in pipes:

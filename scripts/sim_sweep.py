@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import statistics
 import time
-from pathlib import Path
 
 from scripts import sim_virtual as sv
+from scripts.common import percentile, write_json
 
 RATIOS = (0.4, 0.8, 1.7)  # L3 restore / recompute cost per block
 BUDGETS = (0.15, 0.6)
@@ -32,9 +31,7 @@ LOADS = (0.0, 0.8)  # idle; ~0.8 utilisation of an engine that recomputes everyt
 BUDGET_FREE = {"no_prefetch", "whole_task", "best_effort", "cost_aware"}
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+pct = percentile  # (the nearest-rank quantile every benchmark shares)
 
 
 def summarize(ttfts: list) -> dict:
@@ -196,8 +193,7 @@ def main(argv=None) -> int:
           f"{[s['reads_to_converge'] for s in d['seeds']]} (target <= 3): {'PASS' if d['pass'] else 'MISS'}")
     print(f"rows passing: {out['passed']}/{out['total']}  ({out['wall_s']:.0f} s)")
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1, sort_keys=True))
-        print(f"JSON written to {a.json}")
+        write_json(a.json, out, indent=1)
     return 0
 
 
