@@ -42,7 +42,10 @@ def run(quick: bool = False) -> dict:
     try:
         import torch
 
-        with SidecarProcess(inst, overrides=base) as sp, KVConnector(inst, LAY) as c:
+        # the warm-up writes every chain to L3: its backlog bound must admit a whole request (512
+        # blocks; the default, a quarter of the pool, is 384 and skipped most PUTs)
+        warm = dict(base, **{"l3.max_put_backlog_blocks": 3 * blocks})
+        with SidecarProcess(inst, overrides=warm) as sp, KVConnector(inst, LAY) as c:
             kv = [tuple(torch.randn(blocks, 16, 2, 64).half() for _ in range(2)) for _ in range(4)]
             for arm in ARMS:
                 for i in range(n_req):
