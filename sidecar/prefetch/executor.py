@@ -120,6 +120,7 @@ class SessionManager(Service):
             rec.pins.update(enumerate(_unpack(ids)))
         self.records[key] = rec
         self.by_id[rec.id] = rec
+        rec.events.append(("created", now, resident))
         self.counters[f"started_{policy.value}"] += 1
         if deadline is not None:
             self.sidecar.call_at(deadline, self._deadline_due, rec.id)
@@ -163,7 +164,10 @@ class SessionManager(Service):
                 now = self.clock()
                 rec.eta = now + eta_s  # once per step: the group's first poll decides for every rank
                 self._run(rec, rec.machine.handle(Replan(now, self._outlook(rec, now))))
-            return self._view(rec)
+            view = self._view(rec)
+            if msg.get("events"):  # the session's own timeline (observability; no decision)
+                view["events"] = [list(e) for e in rec.events]
+            return view
 
         return self.core.decided(conn, "poll", msg, compute)
 
@@ -202,6 +206,7 @@ class SessionManager(Service):
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
             rec.trigger_at = self.clock()
             rec.trigger = why
+            rec.events.append(("stop", rec.trigger_at, why))
 
     def _deadline_due(self, sid: int) -> None:
         rec = self.by_id.get(sid)
@@ -213,6 +218,7 @@ class SessionManager(Service):
         rec = self.by_id.get(sid)
         if rec is not None:
             now = self.clock()
+            rec.events.append(("query", now, hits))
             self._run(rec, rec.machine.handle(QueryDone(hits, now, self._outlook(rec, now))))
 
     def _chunk_done(self, sid: int, chunk: int, ok: tuple) -> None:
@@ -231,6 +237,7 @@ class SessionManager(Service):
         """Carry out actions; executing one may produce more (e.g. a limit shrinks a claim)."""
         if rec.machine.sealed and rec.sealed_at is None:
             rec.sealed_at = self.clock()
+            rec.events.append(("sealed", rec.sealed_at, rec.machine.reason or ""))
         self._carry_out(rec, actions)
         self.waits.wake(rec.id, rec.machine, lambda: self._view(rec))
         if rec.machine.state == State.DRAINING and not rec.drain_timer:
@@ -417,6 +424,7 @@ class SessionManager(Service):
                 self.waiters[key].append((rec.id, a.chunk, pos))
                 self.counters["blocks_deduplicated"] += 1
         io.t0 = self.clock()
+        rec.events.append(("claim", io.t0, [a.chunk, a.start, granted, len(own_positions)]))
         if own_positions:
             io.reading = True
             keys = b"".join(chain_key(rec.chain, p) for p in own_positions)
@@ -442,6 +450,7 @@ class SessionManager(Service):
         io.reading = False
         io.read_ok = dict(zip(sorted(io.own_blocks), ok))
         rec.transfer_times.append(result.seconds * 1e3)
+        rec.events.append(("read", self.clock(), [chunk, len(ok), result.seconds]))
         if ok:
             rec.read_s_per_block.append(result.seconds / len(ok))
         self._maybe_chunk_done(rec, chunk)
@@ -469,6 +478,7 @@ class SessionManager(Service):
             pos = io.start + off
             ok.append(True if kind == "have" else io.shared_ok[pos] if kind == "shared" else io.read_ok[pos])
         rec.chunk_times.append((self.clock() - io.t0) * 1e3)
+        rec.events.append(("landed", self.clock(), [chunk, io.count]))
         # deliver as an event so it is never re-entered from inside a claim
         self.sidecar.post(self._chunk_done, rec.id, chunk, tuple(ok))
 
@@ -503,6 +513,7 @@ class SessionManager(Service):
     def _finish(self, rec: Record, a: Finish) -> None:
         now = self.clock()
         rec.terminal_at = now
+        rec.events.append(("terminal", now, [a.status.value, a.prefix]))
         prefix_ids = [rec.pins.pop(p) for p in range(a.prefix)]
         rest = list(rec.pins.values())
         rec.pins.clear()
