@@ -63,6 +63,32 @@ def test_a_probe_without_evidence_reads_one_small_chunk_once():
     assert cost.next_claim(o, 0.0, 100, 32, 0.0, claimed_before=True) == 0
 
 
+def test_a_pool_hit_with_a_short_tail_does_not_wait_for_the_query():
+    # 2 blocks would save 12 ms; the query alone takes 15 ms: the candidate must not wait for it
+    assert not cost.worth_querying(ol(query_s=0.015), 0.0, remaining=2, chunk_max=8)
+    # ... while a long tail pays for the wait (32 blocks save 192 ms)
+    assert cost.worth_querying(ol(query_s=0.015), 0.0, remaining=32, chunk_max=8)
+
+
+def test_a_dearer_l3_with_no_queue_to_hide_behind_does_not_wait_for_the_query():
+    assert not cost.worth_querying(ol(regime=SLOW), 0.0, remaining=100, chunk_max=8)
+    # with the eta 0.2 s away some blocks land in its shadow: worth the answer
+    assert cost.worth_querying(ol(eta=0.2, regime=SLOW), 0.0, remaining=100, chunk_max=8)
+    # ... unless the lane's backlog eats that slack
+    assert not cost.worth_querying(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, remaining=100, chunk_max=8)
+
+
+def test_without_evidence_the_query_is_always_awaited_so_the_estimator_learns():
+    assert cost.worth_querying(ol(regime=SLOW, probe_blocks=4), 0.0, remaining=2, chunk_max=8)
+    assert not cost.worth_querying(ol(), 0.0, remaining=0, chunk_max=8)
+
+
+def test_unknown_query_latency_counts_one_l3_round_trip():
+    o = ol(l3_latency_s=0.004)  # 1 block saves 6 ms; query >= 4 ms + read 4 + 4 ms = 12 ms
+    assert not cost.worth_querying(o, 0.0, remaining=1, chunk_max=8)
+    assert cost.worth_querying(o, 0.0, remaining=4, chunk_max=8)  # 24 ms saved > 4 + 4 + 16
+
+
 def test_chunks_grow_only_while_restoring_pays_and_never_past_eight_times():
     assert cost.chunk_size(ol(regime=SLOW), 8) == 8  # a stop is likely: chunk_max bounds its regret
     assert cost.chunk_size(ol(l3_latency_s=1.0), 8) == 64
@@ -379,3 +405,24 @@ def test_every_trigger_in_every_estimate_regime(regime, trigger):
     if regime == "slow_slack" and trigger == "demand":
         assert s.published <= 11 and not s.keep_admitted  # the engine could start now: nothing more
     assert not s.chunks and s.in_flight == 0
+
+
+def test_a_candidate_whose_restore_cannot_pay_ends_while_querying():
+    """Demand during the L3 query with an L3 dearer than prefill: the session ends at once
+    (cost), claims nothing, and the late answer is ignored."""
+    s = Session(Params(Policy.COST_AWARE, 64, 30, 8, 2, None, outlook=ol(eta=1.0, regime=SLOW)))
+    s.handle(Start(0.0))
+    assert s.state == State.QUERYING
+    acts = s.handle(Demand(0.001, ol(eta=0.001, regime=SLOW)))
+    assert s.state == State.TERMINAL and s.status == Status.COST and not claims(acts)
+    fin = [a for a in acts if isinstance(a, Finish)]
+    assert fin and fin[0].prefix == 30  # the resident prefix is the result
+    assert s.handle(QueryDone(34, 0.01, ol(regime=SLOW))) == []
+
+
+def test_a_queued_request_keeps_querying_when_its_eta_leaves_room():
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=ol(eta=1.0, regime=SLOW)))
+    s.handle(Start(0.0))
+    assert s.handle(Replan(0.001, ol(eta=0.5, regime=SLOW))) == [] and s.state == State.QUERYING
+    acts = s.handle(QueryDone(64, 0.002, ol(eta=0.5, regime=SLOW)))
+    assert claims(acts)  # restores in the queue's shadow

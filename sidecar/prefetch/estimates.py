@@ -24,7 +24,7 @@ def outlook(rec: Record, now: float, tier, cfg) -> Outlook | None:
     est = look.estimate
     probe = cfg.probe_blocks if est.samples == 0 and look.backlog_s == 0 else 0
     return Outlook(eta, rec.prefill_s_per_block, est.latency_s, est.s_per_block, look.backlog_s,
-                   cfg.load_s_per_block, probe)
+                   cfg.load_s_per_block, probe, getattr(tier, "query_s", 0.0) or 0.0)
 
 
 def drain_budget(rec: Record, tier, cfg) -> float:
