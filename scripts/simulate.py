@@ -65,7 +65,7 @@ def request_stream(seed: int, n: int, n_prefixes: int, prefix_tokens: int, suffi
     Arrivals: with ``load`` None, Poisson with mean gap ``gap_s``; with ``load`` > 0, Poisson at
     ``load`` x the capacity of the no-prefetch engine (its mean service: the prefill of what is
     not in an LRU pool of ``pool_blocks`` blocks); with ``load`` == 0 (idle), each request arrives
-    1.5 x its no-prefetch service after the one before."""
+    1.5 x its full prefill after the one before."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 32000) for _ in range(prefix_tokens)] for _ in range(n_prefixes)]
     prompts = []
@@ -81,7 +81,8 @@ def request_stream(seed: int, n: int, n_prefixes: int, prefix_tokens: int, suffi
         service = ttft_bounds.no_prefetch_service_s(prompts, 64, compute_ms_per_ktok, pool_blocks)
         arr = random.Random(seed * 7919 + 1)
         mean = sum(service) / len(service)
-        gaps = [1.5 * s for s in service] if load <= 0 else [arr.expovariate(load / mean) for _ in range(n)]
+        full = [len(t) * compute_ms_per_ktok / 1024 / 1e3 for t in prompts]  # idle: even a miss has finished
+        gaps = [1.5 * s for s in full] if load <= 0 else [arr.expovariate(load / mean) for _ in range(n)]
     out, t = [], 0.0
     for i, toks in enumerate(prompts):
         out.append((t, f"r{i}", toks))
@@ -413,7 +414,10 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
             nxt = stream[i][0] - (time.monotonic() - t0) if i < len(stream) else STEP_S
             if busy_until is not None:
                 nxt = min(nxt, busy_until - time.monotonic())
-            time.sleep(max(0.0, min(STEP_S, nxt)))  # the engine's next loop iteration
+            queued = waiting - (busy_until is not None)
+            # nothing queued: the loop blocks until the next arrival or the prefill's end (as an
+            # engine's blocking receive would); else its next iteration polls the queue again
+            time.sleep(max(0.0, nxt if queued <= 0 else min(STEP_S, nxt)))
     for a in pipes:
         a.send(("stop",))
     outs = [a.recv() if a.poll(60) else None for a in pipes]
