@@ -65,7 +65,7 @@ def request_stream(seed: int, n: int, n_prefixes: int, prefix_tokens: int, suffi
     Arrivals: with ``load`` None, Poisson with mean gap ``gap_s``; with ``load`` > 0, Poisson at
     ``load`` x the capacity of the no-prefetch engine (its mean service: the prefill of what is
     not in an LRU pool of ``pool_blocks`` blocks); with ``load`` == 0 (idle), each request arrives
-    1.5 x its full prefill after the one before."""
+    1.2 x its full prefill after the one before."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 32000) for _ in range(prefix_tokens)] for _ in range(n_prefixes)]
     prompts = []
@@ -82,7 +82,7 @@ def request_stream(seed: int, n: int, n_prefixes: int, prefix_tokens: int, suffi
         arr = random.Random(seed * 7919 + 1)
         mean = sum(service) / len(service)
         full = [len(t) * compute_ms_per_ktok / 1024 / 1e3 for t in prompts]  # idle: even a miss has finished
-        gaps = [1.5 * s for s in full] if load <= 0 else [arr.expovariate(load / mean) for _ in range(n)]
+        gaps = [1.2 * s for s in full] if load <= 0 else [arr.expovariate(load / mean) for _ in range(n)]
     out, t = [], 0.0
     for i, toks in enumerate(prompts):
         out.append((t, f"r{i}", toks))

@@ -7,9 +7,9 @@ trial runs every row and, within a row, every arm in turn (interleaved); figures
 [min..max] over trials.  Bounds and the L3/prefill ratio are from the rates each run achieved.
 
 Sizing (2 shared cores): 2,048-token system prompts (32 blocks of 64 tokens, 128 KiB each) with
-128-token turns, six prompts and follow-ups; prefill modelled at 25 ms per 1K tokens (~53 ms per
+128-token turns, six prompts and follow-ups; prefill modelled at 50 ms per 1K tokens (~106 ms per
 request); a sidecar pool of 256 blocks (smaller than the working set: hits and evictions);
-file L3 with 1 ms per read.  A row of six arms x 48 requests takes ~30 s here.
+file L3 with 1 ms per read.  A row of six arms x 48 requests takes ~40-60 s here.
 
 Target (issue 22): cost_aware's p50 and p90 <= 1.03 x the best other arm's and <= 1.15 x the
 measured serial bound, on every row.
@@ -27,7 +27,7 @@ from pathlib import Path
 from scripts import simulate, trials as trials_mod
 
 PREFIX_TOKENS = 2048
-COMPUTE_MS_PER_KTOK = 25.0
+COMPUTE_MS_PER_KTOK = 50.0
 N_PREFIXES = 6
 POOL_BLOCKS = 256
 LATENCY_MS = 1.0
