@@ -642,6 +642,10 @@ def main(argv=None) -> int:
     if args.l3 == "auto":
         args.l3 = "mooncake" if mooncake_available() else "file"
     logging.basicConfig(level=logging.WARNING)
+    import signal
+
+    # a SIGTERM (a stopped benchmark) unwinds like Ctrl-C: the sidecars and rank processes stop
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     if args.table:
         from scripts import ttft_table
 
