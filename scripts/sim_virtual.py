@@ -74,6 +74,7 @@ class SimParams:
     step_s: float = 0.002  # one scheduler loop iteration while nothing runs
     pool_blocks: int = 0  # 0: six times the longest request
     follow_up: float = 0.25  # share of requests that continue an earlier conversation
+    admit_s: float = 0.0  # fixed engine-side cost per admission (GET round trip, scheduling; calibration)
 
     @property
     def l3_s_per_block(self) -> float:
@@ -373,7 +374,7 @@ class Engine:
         # restored from L3 by this request's own session; the rest of the GET was in the pool
         # (resident at queue entry, stored by an earlier prefill, or read by another session)
         restored_l3 = min(n, rec.restored) if rec is not None else 0
-        prefill = n * self.p.copy_s_per_block + (r.blocks - n) * self.p.compute_s_per_block
+        prefill = self.p.admit_s + n * self.p.copy_s_per_block + (r.blocks - n) * self.p.compute_s_per_block
         self.busy_until = now + prefill
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
                 "hit_l3": restored_l3, "recomputed": r.blocks - n, "queue_s": now - r.arrival,

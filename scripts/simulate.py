@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import logging
 import multiprocessing as mp
@@ -183,6 +184,7 @@ class _Rank:
         self.demanded: set = set()
         self.corrupt = 0
         self.running: dict | None = None  # the prefill on the device: rid, modelled end, pages
+        self.checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sim-check")
         self.timeline = rank == 0 and bool(args.get("timeline"))
         self.marks: dict = collections.defaultdict(dict)  # rid -> {phase: monotonic time}
         self._instrument()
@@ -202,6 +204,11 @@ class _Rank:
 
         self._admitting = None
         conn.get, conn.load = timed(conn.get, "got"), timed(conn.load, "loaded")
+
+    def _check_and_fill(self, pages: list, keys: list, restored: int) -> int:
+        bad = bad_pages(self.kv, self.base, pages[:restored], keys[:restored])
+        fill_pages(self.kv, self.base, pages[restored:], keys[restored:])
+        return bad
 
     def compute_s_per_block(self) -> float:
         return self.args["compute_ms_per_ktok"] * self.T / 1024 / 1e3
@@ -247,9 +254,10 @@ class _Rank:
 
     def eta_s(self, position: int) -> float | None:
         """When the request at ``position`` can start: what the device still runs, plus the
-        prefills ahead of it in the queue."""
-        return self.ad.eta_s(sum(len(self.stream[r][1]) // self.T for r in self.queue[:position]),
-                             busy_s=self.busy_s())
+        prefills ahead of it in the queue — less what a request ahead will not compute (the
+        blocks its session already holds, from that request's last poll)."""
+        ahead = sum(len(self.stream[r][1]) // self.T - self.ad.restorable_blocks(r) for r in self.queue[:position])
+        return self.ad.eta_s(ahead, busy_s=self.busy_s())
 
     def admit(self, rid: str, step: int) -> tuple:
         arr, toks = self.stream[rid]
@@ -268,19 +276,21 @@ class _Rank:
         compute_tokens = len(toks) - slot.tokens
         t_c = m["prefill_start"] = time.monotonic()
         end = t_c + compute_tokens * self.args["compute_ms_per_ktok"] / 1024 / 1e3  # the modelled prefill
-        # the simulator's own work, in the prefill's shadow: check what was loaded, fill the rest
+        # the simulator's own work, in the prefill's shadow on a helper thread (torch releases the
+        # GIL), so the loop goes on receiving and polling: check what was loaded, fill the rest
         keys = [chain[j * 16:(j + 1) * 16] for j in range(len(pages))]
-        self.corrupt += bad_pages(self.kv, self.base, pages[:restored], keys[:restored])
-        fill_pages(self.kv, self.base, pages[restored:], keys[restored:])
-        over = max(0.0, time.monotonic() - end)  # reported; TTFT stays stamped at the modelled end
-        self.running = {"rid": rid, "end": end, "over": over, "slot": slot, "pages": pages,
-                        "compute_tokens": compute_tokens, "step": step}
+        check = self.checker.submit(self._check_and_fill, pages, keys, restored)
+        self.running = {"rid": rid, "end": end, "over": 0.0, "slot": slot, "pages": pages,
+                        "compute_tokens": compute_tokens, "step": step, "check": check}
         return (rid, slot.tokens)
 
     def complete(self, t0: float) -> dict:
         """The running prefill ended (at its modelled end: TTFT is stamped there)."""
         run, self.running = self.running, None
         rid, slot, pages = run["rid"], run["slot"], run["pages"]
+        waited = time.monotonic()
+        self.corrupt += run["check"].result(timeout=60)  # (bounded) its pages are freed below
+        run["over"] = max(0.0, time.monotonic() - max(waited, run["end"]))  # reported, not charged
         arr, toks = self.stream[rid]
         m = self.marks[rid]
         t_end = m["prefill_end"] = run["end"]
@@ -325,6 +335,9 @@ def rank_main(rank: int, conn) -> None:
                 break
             _, step, arrivals, t0, busy_until = msg
             conn.send(r.step(step, arrivals, t0, busy_until))
+        if r.running is not None:
+            r.corrupt += r.running["check"].result(timeout=60)
+        r.checker.shutdown(wait=True)
         conn.send({"rank": rank, "corrupt": r.corrupt, "degraded": r.ad.misses_degraded, "left": len(r.queue)})
         r.ad.close()
 

@@ -25,6 +25,23 @@ from scripts.ttft_table import (COMPUTE_MS_PER_KTOK, N_PREFIXES, POOL_BLOCKS, PR
 TOLERANCE = 0.10
 
 
+def fixed_costs(run: dict) -> dict:
+    """The per-request fixed costs the real run showed (medians over every arm's requests): the
+    L3 existence query (session created -> answered) and the admission (queue entry and the
+    GET's round trip, which the virtual engine does not model otherwise)."""
+    query, admit = [], []
+    for a in run["arms"].values():
+        for r in a.get("results", ()):
+            ev = {e[0]: e[1] for e in r.get("events") or ()}
+            if "query" in ev and "created" in ev:
+                query.append((ev["query"] - ev["created"]) / 1e3)
+            t = r.get("timeline") or {}
+            if "got" in t:
+                admit.append((t["entered"] + t["got"] - t["admit"]) / 1e3)
+    med = statistics.median
+    return {"query_s": med(query) if query else 0.001, "admit_s": med(admit) if admit else 0.0}
+
+
 def virtual_row(row: dict, requests: int) -> dict:
     agg = row["aggregate"]
     rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
@@ -33,9 +50,11 @@ def virtual_row(row: dict, requests: int) -> dict:
                 load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
     stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)
     c = rates["compute_s_per_block"]
+    fixed = fixed_costs(row["timeline_trial"])
     p = sv.SimParams(tp=row["tp"], tokens_per_block=64, requests=requests, compute_s_per_block=c,
                      copy_s_per_block=rates["copy_s_per_block"], l3_ratio=rates["l3_s_per_block"] / c,
-                     l3_latency_s=rates["l3_latency_s"], pool_blocks=POOL_BLOCKS)
+                     l3_latency_s=rates["l3_latency_s"], pool_blocks=POOL_BLOCKS,
+                     meta_latency_s=fixed["query_s"], admit_s=fixed["admit_s"])
     out = {}
     for arm, kw in TABLE_ARMS.items():
         sv.ARMS.setdefault(arm, {k: v for k, v in (kw or {}).items() if k != "budget_s"} if kw else None)
