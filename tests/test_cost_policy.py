@@ -426,3 +426,23 @@ def test_a_queued_request_keeps_querying_when_its_eta_leaves_room():
     assert s.handle(Replan(0.001, ol(eta=0.5, regime=SLOW))) == [] and s.state == State.QUERYING
     acts = s.handle(QueryDone(64, 0.002, ol(eta=0.5, regime=SLOW)))
     assert claims(acts)  # restores in the queue's shadow
+
+
+def test_the_policy_plans_with_the_read_cost_inflated_by_the_estimators_error():
+    from kvsidecar.sidecar.prefetch.estimates import pessimistic
+
+    class T:
+        cost = ReadCostModel(0.002, 0.004)
+
+    assert pessimistic(0.004, T) == 0.004  # no prediction made yet: the estimate as it is
+    for blocks, seconds in ((8, 0.034), (8, 0.050), (8, 0.020)):  # noisy reads
+        T.cost.observe(blocks, seconds)
+    err = T.cost.error
+    assert 0 < err and pessimistic(0.004, T) == pytest.approx(0.004 * (1 + min(1.0, err)))
+    T.cost._err_num, T.cost._err_den = 5.0, 1.0  # a wild estimator: capped at twice the estimate
+    assert pessimistic(0.004, T) == pytest.approx(0.008)
+    # a large error (here 2x: 11 ms) turns "restore at an idle engine" into "recompute"
+    o = ol(l3_s_per_block=0.0055)  # 5.5 ms to read vs 10 ms saved per block: restore
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) > 0
+    o = ol(l3_s_per_block=pessimistic(0.0055, T))
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) == 0
