@@ -166,6 +166,7 @@ class _Rank:
         self.T = lay.tokens_per_block
         kw = args.get("arm_kw")
         self.prefetch = kw is not None
+        self.eta_aware = (kw or {}).get("policy") == "cost_aware"
         policy = (kw or {}).get("policy", "timeout")
         budget = (kw or {}).get("budget_s", args.get("budget_s"))
         cfg = AdapterConfig(policy=policy, chunk_max_blocks=(kw or {}).get("chunk_max_blocks"),
@@ -236,11 +237,15 @@ class _Rank:
             self.running["end"] = busy_until
             out["done"] = self.complete(t0)
         for pos, rid in enumerate(self.queue):
-            if rid not in self.demanded:
+            eta = self.eta_s(pos)
+            # a scanned request is a scheduling candidate (SGLang's terminate_prefetch check); an
+            # engine that sends ETAs (cost_aware) says "now" only for one that could start now —
+            # a request deep in the queue hears its real ETA from the poll instead
+            if rid not in self.demanded and (not self.eta_aware or not eta):
                 self.demanded.add(rid)
                 self.ad.on_candidate(rid)
                 self.marks[rid]["candidate"] = time.monotonic()
-            ready, _ = self.ad.check_progress(rid, step, eta_s=self.eta_s(pos))
+            ready, _ = self.ad.check_progress(rid, step, eta_s=eta)
             if not ready:
                 continue  # skipped: the scheduler goes on to the next request
             del self.queue[pos]

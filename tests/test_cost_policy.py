@@ -446,3 +446,30 @@ def test_the_policy_plans_with_the_read_cost_inflated_by_the_estimators_error():
     assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) > 0
     o = ol(l3_s_per_block=pessimistic(0.0055, T))
     assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) == 0
+
+
+def test_a_dear_l3_plans_a_queued_request_behind_every_queued_read():
+    """L3 dearer than prefill: a queued request's restore pays only if it lands before its
+    prefill, and younger sessions' reads may not overtake it but older ones' next chunks and new
+    candidates will: its outlook counts the whole queue; a cheap L3 counts only what runs first."""
+    from types import SimpleNamespace
+
+    from kvsidecar.sidecar.l3.tier import ReadOutlook
+    from kvsidecar.sidecar.prefetch.estimates import outlook
+
+    class FakeTier:
+        cost = ReadCostModel(0.002, 0.004)
+
+        def __init__(self, s_per_block):
+            self.s = s_per_block
+
+        def read_outlook(self, priority):
+            est = ReadEstimate(0.002, self.s, 5)
+            return ReadOutlook(est, 0.05 if priority < (1 << 50) else 0.40)  # ahead of it vs all queued
+
+    cfg = SimpleNamespace(load_s_per_block=0.0, probe_blocks=4)
+    rec = SimpleNamespace(policy="cost_aware", eta=1.0, prefill_s_per_block=PREFILL, demanded=False, id=7)
+    assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.40  # dear: behind everything queued
+    assert outlook(rec, 0.0, FakeTier(0.004), cfg).backlog_s == 0.05  # cheap: what runs before it
+    rec.demanded = True  # a candidate's reads go first: only what is ahead of it counts
+    assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.05
