@@ -134,7 +134,6 @@ class _Rank:
         self.T = lay.tokens_per_block
         kw = args.get("arm_kw")
         self.prefetch = kw is not None
-        self.eta_aware = (kw or {}).get("policy") == "cost_aware"
         policy = (kw or {}).get("policy", "timeout")
         budget = (kw or {}).get("budget_s", args.get("budget_s"))
         cfg = AdapterConfig(policy=policy, chunk_max_blocks=(kw or {}).get("chunk_max_blocks"),
@@ -206,10 +205,11 @@ class _Rank:
             out["done"] = self.complete(t0)
         for pos, rid in enumerate(self.queue):
             eta = self.eta_s(pos)
-            # a scanned request is a scheduling candidate (SGLang's terminate_prefetch check); an
-            # engine that sends ETAs (cost_aware) says "now" only for one that could start now —
-            # a request deep in the queue hears its real ETA from the poll instead
-            if rid not in self.demanded and (not self.eta_aware or not eta):
+            # a scanned request is a scheduling candidate (SGLang's terminate_prefetch check): it
+            # could have started now.  (Demanding only the one an ETA puts at "now" was tried: the
+            # virtual replay of the measured rows says it is worse — cost_aware kept reading for
+            # requests the engine then waited on.)
+            if rid not in self.demanded:
                 self.demanded.add(rid)
                 self.ad.on_candidate(rid)
                 self.marks[rid]["candidate"] = time.monotonic()

@@ -293,6 +293,7 @@ class Engine:
         self.results: list = []
         self.corrupt = 0
         self.disagreements = 0
+        self._held: dict = {}  # rid -> blocks its session holds (last poll): the ETA of those behind
 
     # -- SPMD calls: every rank sends the same op with the same step --------------------------------
     def _spmd(self, fn, msg: dict) -> dict:
@@ -311,7 +312,7 @@ class Engine:
     def _eta_s(self, position: int) -> float:
         """The adapter's estimate of when the request at ``position`` can start its prefill."""
         now = self.loop.t
-        ahead = sum(r.blocks for r in self.queue[:position]) * self.p.compute_s_per_block
+        ahead = sum(r.blocks - self._held.get(r.rid, 0) for r in self.queue[:position]) * self.p.compute_s_per_block
         return max(0.0, self.busy_until - now) + ahead
 
     # -- events ----------------------------------------------------------------------------------------
@@ -344,10 +345,12 @@ class Engine:
         self.step += 1
         for pos, r in enumerate(self.queue):
             if r.prefetching:
+                eta = self._eta_s(pos)
                 if not r.demanded:
                     r.demanded = True
                     self._spmd(self.sm.op_demand, {"req": r.rid})
-                view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": self._eta_s(pos)})
+                view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": eta})
+                self._held[r.rid] = view.get("prefix", view.get("published", 0)) or 0
                 if view.get("state") not in ("terminal", "unknown"):
                     continue  # skipped: the scheduler goes on to the next request
             self.queue.pop(pos)
