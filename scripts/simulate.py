@@ -79,8 +79,9 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
             i += 1
         waiting += len(arrivals)
         step += 1
+        # one verdict for every rank: has the running prefill ended (SPMD: the same step for all)
+        ended = busy_until if busy_until is not None and time.monotonic() >= busy_until else None
         for a in pipes:
-            ended = busy_until if busy_until is not None and time.monotonic() >= busy_until else None
             a.send(("step", step, arrivals, t0, ended))
         replies = [a.recv() if a.poll(300) else "timeout" for a in pipes]
         if any(r == "timeout" for r in replies):
