@@ -74,6 +74,7 @@ class EngineAdapter:
         self._chains: dict[str, bytes] = {}
         self.link = SidecarLink(self.conn, self.cfg.reattach_every_s, on_reattach=self._new_generation)
         self._prefill_s_per_block = self.cfg.prefill_s_per_block  # EWMA of observed prefills
+        self._held: dict[str, int] = {}  # req -> blocks its session holds (last poll): the ETA of those behind
 
     # -- connection management (kvsidecar.connector.reconnect) -------------------------------------
     @property
@@ -131,6 +132,11 @@ class EngineAdapter:
         c = self._prefill_s_per_block
         return None if c is None else max(0.0, busy_s) + max(0, blocks_ahead) * c
 
+    def restorable_blocks(self, req: str) -> int:
+        """Blocks ``req`` will not prefill, as far as the engine knows (its session's prefix at its
+        last poll; 0 before one): an ETA for the requests queued behind it counts only the rest."""
+        return self._held.get(req, 0)
+
     def on_queue_entry(self, req: str, token_ids, eta_s: float | None = None) -> None:
         """Start prefetching the request's full chain as it enters the waiting queue.
 
@@ -155,6 +161,8 @@ class EngineAdapter:
         if req not in self.prefetching:
             return True, 0
         view = self._call(lambda: self.conn.poll(req, step=step, eta_s=eta_s), None)
+        if view is not None:
+            self._held[req] = view.get("prefix", view.get("published", 0)) or 0
         if view is None or view.get("state") in ("terminal", "unknown"):
             return True, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
         return False, 0
@@ -188,6 +196,7 @@ class EngineAdapter:
         """The restored pages are now the engine's (inserted in its radix cache): drop the lease."""
         slot = self.slots.pop(req, None)
         self.prefetching.discard(req)
+        self._held.pop(req, None)
         if slot is not None and slot.lease is not None:
             self._call(lambda: self.conn.release(slot.lease), None, retry=False)
 
@@ -207,6 +216,7 @@ class EngineAdapter:
             self._call(lambda: self.conn.abort(req), None)
             self.prefetching.discard(req)
         self._chains.pop(req, None)
+        self._held.pop(req, None)
         return pages
 
     def store_after_prefill(self, req: str, token_ids, pages: list, step: int) -> int:

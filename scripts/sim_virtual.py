@@ -74,6 +74,7 @@ class SimParams:
     step_s: float = 0.002  # one scheduler loop iteration while nothing runs
     pool_blocks: int = 0  # 0: six times the longest request
     follow_up: float = 0.25  # share of requests that continue an earlier conversation
+    admit_s: float = 0.0  # fixed engine-side cost per admission (GET round trip, scheduling; calibration)
 
     @property
     def l3_s_per_block(self) -> float:
@@ -290,6 +291,7 @@ class Engine:
         self.results: list = []
         self.corrupt = 0
         self.disagreements = 0
+        self._held: dict = {}  # rid -> blocks its session holds (last poll): the ETA of those behind
 
     # -- SPMD calls: every rank sends the same op with the same step --------------------------------
     def _spmd(self, fn, msg: dict) -> dict:
@@ -308,7 +310,7 @@ class Engine:
     def _eta_s(self, position: int) -> float:
         """The adapter's estimate of when the request at ``position`` can start its prefill."""
         now = self.loop.t
-        ahead = sum(r.blocks for r in self.queue[:position]) * self.p.compute_s_per_block
+        ahead = sum(r.blocks - self._held.get(r.rid, 0) for r in self.queue[:position]) * self.p.compute_s_per_block
         return max(0.0, self.busy_until - now) + ahead
 
     # -- events ----------------------------------------------------------------------------------------
@@ -341,10 +343,12 @@ class Engine:
         self.step += 1
         for pos, r in enumerate(self.queue):
             if r.prefetching:
+                eta = self._eta_s(pos)
                 if not r.demanded:
                     r.demanded = True
                     self._spmd(self.sm.op_demand, {"req": r.rid})
-                view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": self._eta_s(pos)})
+                view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": eta})
+                self._held[r.rid] = view.get("prefix", view.get("published", 0)) or 0
                 if view.get("state") not in ("terminal", "unknown"):
                     continue  # skipped: the scheduler goes on to the next request
             self.queue.pop(pos)
@@ -371,7 +375,7 @@ class Engine:
         # restored from L3 by this request's own session; the rest of the GET was in the pool
         # (resident at queue entry, stored by an earlier prefill, or read by another session)
         restored_l3 = min(n, rec.restored) if rec is not None else 0
-        prefill = n * self.p.copy_s_per_block + (r.blocks - n) * self.p.compute_s_per_block
+        prefill = self.p.admit_s + n * self.p.copy_s_per_block + (r.blocks - n) * self.p.compute_s_per_block
         self.busy_until = now + prefill
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
                 "hit_l3": restored_l3, "recomputed": r.blocks - n, "queue_s": now - r.arrival,

@@ -63,6 +63,32 @@ def test_a_probe_without_evidence_reads_one_small_chunk_once():
     assert cost.next_claim(o, 0.0, 100, 32, 0.0, claimed_before=True) == 0
 
 
+def test_a_pool_hit_with_a_short_tail_does_not_wait_for_the_query():
+    # 2 blocks would save 12 ms; the query alone takes 15 ms: the candidate must not wait for it
+    assert not cost.worth_querying(ol(query_s=0.015), 0.0, remaining=2, chunk_max=8)
+    # ... while a long tail pays for the wait (32 blocks save 192 ms)
+    assert cost.worth_querying(ol(query_s=0.015), 0.0, remaining=32, chunk_max=8)
+
+
+def test_a_dearer_l3_with_no_queue_to_hide_behind_does_not_wait_for_the_query():
+    assert not cost.worth_querying(ol(regime=SLOW), 0.0, remaining=100, chunk_max=8)
+    # with the eta 0.2 s away some blocks land in its shadow: worth the answer
+    assert cost.worth_querying(ol(eta=0.2, regime=SLOW), 0.0, remaining=100, chunk_max=8)
+    # ... unless the lane's backlog eats that slack
+    assert not cost.worth_querying(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, remaining=100, chunk_max=8)
+
+
+def test_without_evidence_the_query_is_always_awaited_so_the_estimator_learns():
+    assert cost.worth_querying(ol(regime=SLOW, probe_blocks=4), 0.0, remaining=2, chunk_max=8)
+    assert not cost.worth_querying(ol(), 0.0, remaining=0, chunk_max=8)
+
+
+def test_unknown_query_latency_counts_one_l3_round_trip():
+    o = ol(l3_latency_s=0.004)  # 1 block saves 6 ms; query >= 4 ms + read 4 + 4 ms = 12 ms
+    assert not cost.worth_querying(o, 0.0, remaining=1, chunk_max=8)
+    assert cost.worth_querying(o, 0.0, remaining=4, chunk_max=8)  # 24 ms saved > 4 + 4 + 16
+
+
 def test_chunks_grow_only_while_restoring_pays_and_never_past_eight_times():
     assert cost.chunk_size(ol(regime=SLOW), 8) == 8  # a stop is likely: chunk_max bounds its regret
     assert cost.chunk_size(ol(l3_latency_s=1.0), 8) == 64
@@ -379,3 +405,71 @@ def test_every_trigger_in_every_estimate_regime(regime, trigger):
     if regime == "slow_slack" and trigger == "demand":
         assert s.published <= 11 and not s.keep_admitted  # the engine could start now: nothing more
     assert not s.chunks and s.in_flight == 0
+
+
+def test_a_candidate_whose_restore_cannot_pay_ends_while_querying():
+    """Demand during the L3 query with an L3 dearer than prefill: the session ends at once
+    (cost), claims nothing, and the late answer is ignored."""
+    s = Session(Params(Policy.COST_AWARE, 64, 30, 8, 2, None, outlook=ol(eta=1.0, regime=SLOW)))
+    s.handle(Start(0.0))
+    assert s.state == State.QUERYING
+    acts = s.handle(Demand(0.001, ol(eta=0.001, regime=SLOW)))
+    assert s.state == State.TERMINAL and s.status == Status.COST and not claims(acts)
+    fin = [a for a in acts if isinstance(a, Finish)]
+    assert fin and fin[0].prefix == 30  # the resident prefix is the result
+    assert s.handle(QueryDone(34, 0.01, ol(regime=SLOW))) == []
+
+
+def test_a_queued_request_keeps_querying_when_its_eta_leaves_room():
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=ol(eta=1.0, regime=SLOW)))
+    s.handle(Start(0.0))
+    assert s.handle(Replan(0.001, ol(eta=0.5, regime=SLOW))) == [] and s.state == State.QUERYING
+    acts = s.handle(QueryDone(64, 0.002, ol(eta=0.5, regime=SLOW)))
+    assert claims(acts)  # restores in the queue's shadow
+
+
+def test_the_policy_plans_with_the_read_cost_inflated_by_the_estimators_error():
+    from kvsidecar.sidecar.prefetch.estimates import pessimistic
+
+    class T:
+        cost = ReadCostModel(0.002, 0.004)
+
+    assert pessimistic(0.004, T) == 0.004  # no prediction made yet: the estimate as it is
+    for blocks, seconds in ((8, 0.034), (8, 0.050), (8, 0.020)):  # noisy reads
+        T.cost.observe(blocks, seconds)
+    err = T.cost.error
+    assert 0 < err and pessimistic(0.004, T) == pytest.approx(0.004 * (1 + min(1.0, err)))
+    T.cost._err_num, T.cost._err_den = 5.0, 1.0  # a wild estimator: capped at twice the estimate
+    assert pessimistic(0.004, T) == pytest.approx(0.008)
+    # a large error (here 2x: 11 ms) turns "restore at an idle engine" into "recompute"
+    o = ol(l3_s_per_block=0.0055)  # 5.5 ms to read vs 10 ms saved per block: restore
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) > 0
+    o = ol(l3_s_per_block=pessimistic(0.0055, T))
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) == 0
+
+
+def test_a_dear_l3_plans_a_queued_request_behind_every_queued_read():
+    """L3 dearer than prefill: a queued request's restore pays only if it lands before its
+    prefill, and younger sessions' reads may not overtake it but older ones' next chunks and new
+    candidates will: its outlook counts the whole queue; a cheap L3 counts only what runs first."""
+    from types import SimpleNamespace
+
+    from kvsidecar.sidecar.l3.tier import ReadOutlook
+    from kvsidecar.sidecar.prefetch.estimates import outlook
+
+    class FakeTier:
+        cost = ReadCostModel(0.002, 0.004)
+
+        def __init__(self, s_per_block):
+            self.s = s_per_block
+
+        def read_outlook(self, priority):
+            est = ReadEstimate(0.002, self.s, 5)
+            return ReadOutlook(est, 0.05 if priority < (1 << 50) else 0.40)  # ahead of it vs all queued
+
+    cfg = SimpleNamespace(load_s_per_block=0.0, probe_blocks=4)
+    rec = SimpleNamespace(policy="cost_aware", eta=1.0, prefill_s_per_block=PREFILL, demanded=False, id=7)
+    assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.40  # dear: behind everything queued
+    assert outlook(rec, 0.0, FakeTier(0.004), cfg).backlog_s == 0.05  # cheap: what runs before it
+    rec.demanded = True  # a candidate's reads go first: only what is ahead of it counts
+    assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.05

@@ -98,6 +98,7 @@ class L3Tier:
         # latency + per-block cost of a read (cost_aware's L3 input); the default prior is a
         # conservative 5 ms + 10 MB/s until reads say otherwise (l3.cost_prior_* in the config)
         self.cost = cost_model or ReadCostModel(0.005, block_bytes / 10e6)
+        self.query_s = 0.0  # EWMA of an existence query's latency, as a session sees it (0: none yet)
 
     def _landing_pause(self):
         landing = self.landing
@@ -126,8 +127,11 @@ class L3Tier:
         """``done(hits)``: how many leading blocks of ``chain`` L3 holds (0 on error)."""
         keys = self.keys(ns, chain)
         self.counters["lookups"] += 1
+        t0 = time.monotonic()
 
         def finish(flags, error):
+            took = time.monotonic() - t0  # submit -> answer on the control thread: what a session waits
+            self.query_s = took if not self.query_s else 0.8 * self.query_s + 0.2 * took
             if error is not None or flags is None:
                 self.counters["lookup_errors"] += 1
                 done(0)

@@ -17,6 +17,12 @@ while the saving exceeds the delay, which is exactly the marginal form of the se
 * restore dearer: claim only what lands before ``eta`` (hidden behind the queue), then stop.
 
 Chunk size bounds the regret of a stop: a wrong decision costs at most one chunk's transfer.
+
+While the L3 existence query is still out, a scheduling candidate is blocked on it:
+:func:`worth_querying` ends the session at once (``Status.COST``) when even the best case
+(L3 holds every remaining block, the query answers in ``query_s``) cannot lower TTFT — a pool
+hit with a short tail, or an L3 dearer than prefill with no queue to hide behind.  Without
+evidence about L3 (``probe_blocks``) it keeps waiting: the probe is how the estimator learns.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ class Outlook:
     backlog_s: float = 0.0  # read-lane work ahead of this session's next chunk
     load_s_per_block: float = 0.0  # copying a restored block into the engine
     probe_blocks: int = 0  # the L3 estimate has no evidence yet: one small chunk may be read to learn it
+    query_s: float = 0.0  # how long an L3 existence query takes (measured; 0: unknown)
 
     def __post_init__(self):
-        for f in ("prefill_s_per_block", "l3_latency_s", "l3_s_per_block", "backlog_s", "load_s_per_block"):
+        for f in ("prefill_s_per_block", "l3_latency_s", "l3_s_per_block", "backlog_s", "load_s_per_block",
+                  "query_s"):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"Outlook.{f} must be a finite non-negative number, not {v!r}")
@@ -122,3 +130,26 @@ def keep_admitted(o: Outlook, current_end: float) -> bool:
     reading?  Yes while restoring pays per block, or while they land before the prefill
     could start anyway."""
     return o.restore_pays_per_block or current_end <= o.eta
+
+
+def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int) -> bool:
+    """While the L3 query is out: could restoring some of the ``remaining`` blocks (all of them
+    in L3, at best) still lower TTFT, once the query answered (``query_s`` from now, at least
+    one L3 round trip)?  False: stop now, the prefill starts at ``max(eta, now)``."""
+    if remaining <= 0:
+        return False
+    if o.probe_blocks:
+        return True  # no evidence yet: the answer (and a probe) is how the estimate is learnt
+    answered = now + max(o.query_s, o.l3_latency_s)
+    cap = max(1, chunk_size(o, chunk_max))
+    plans = {remaining}
+    if o.l3_s_per_block > 0:
+        fit = math.floor((o.eta - (answered + o.backlog_s + o.l3_latency_s)) / o.l3_s_per_block)
+        if 0 < fit < remaining:
+            plans.add(fit)
+    start_now = max(o.eta, now)
+    for k in plans:
+        land = answered + o.backlog_s + -(-k // cap) * o.l3_latency_s + k * o.l3_s_per_block
+        if k * o.saving_per_block - (max(start_now, land) - start_now) > 0:
+            return True
+    return False

@@ -23,8 +23,30 @@ def outlook(rec: Record, now: float, tier, cfg) -> Outlook | None:
     look = tier.read_outlook(read_priority(rec.demanded, rec.id))
     est = look.estimate
     probe = cfg.probe_blocks if est.samples == 0 and look.backlog_s == 0 else 0
-    return Outlook(eta, rec.prefill_s_per_block, est.latency_s, est.s_per_block, look.backlog_s,
-                   cfg.load_s_per_block, probe)
+    s_per_block = pessimistic(est.s_per_block, tier)
+    backlog = look.backlog_s
+    if s_per_block >= rec.prefill_s_per_block - cfg.load_s_per_block and not rec.demanded:
+        # restoring does not pay per block: a read is worth it only if it lands before the
+        # prefill starts, and a queued request's read can still be overtaken by every read now
+        # queued (an older session's next chunk, a request that becomes a candidate): plan
+        # behind all of them, or a busy lane pushes the reads past the ETA and the request waits
+        backlog = max(backlog, tier.read_outlook(ALL_QUEUED).backlog_s)
+    return Outlook(eta, rec.prefill_s_per_block, est.latency_s, s_per_block,
+                   backlog, cfg.load_s_per_block, probe, getattr(tier, "query_s", 0.0) or 0.0)
+
+
+ALL_QUEUED = 1 << 62  # a read priority behind every queued read (see read_priority)
+
+
+def pessimistic(s_per_block: float, tier) -> float:
+    """The per-block read cost the policy plans with: the estimate, inflated by the estimator's
+    own measured prediction error (capped at 2x).  Where restoring and recomputing cost about
+    the same, a noisy estimate would flip the decision read by read, and a read that runs slow
+    costs TTFT while one that runs fast saves little: the margin makes cost_aware restore at an
+    idle engine only when it pays clearly (restores hidden behind the queue are unaffected:
+    they land before the prefill could start either way)."""
+    err = getattr(getattr(tier, "cost", None), "error", 0.0) or 0.0
+    return s_per_block * (1.0 + min(1.0, max(0.0, err)))
 
 
 def drain_budget(rec: Record, tier, cfg) -> float:

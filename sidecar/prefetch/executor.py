@@ -98,6 +98,7 @@ class SessionExecutor:
         if plan.shared_ok:  # awaited, not read twice
             self.counters["blocks_deduplicated"] += len(plan.shared_ok)
         io.t0 = self.clock()
+        rec.events.append(("claim", io.t0, [a.chunk, a.start, granted, len(plan.own_blocks)]))
         if plan.own_blocks:
             io.reading = True
             keys = b"".join(chain_key(rec.chain, p) for p in plan.own_blocks)
@@ -124,6 +125,7 @@ class SessionExecutor:
         io.reading = False
         io.plan.landed(ok)
         rec.transfer_times.append(result.seconds * 1e3)
+        rec.events.append(("read", self.clock(), [chunk, len(ok), result.seconds]))
         if ok:
             rec.read_s_per_block.append(result.seconds / len(ok))
         self._maybe_chunk_done(rec, chunk)
@@ -139,6 +141,7 @@ class SessionExecutor:
         if not io.plan.resolved:
             return
         rec.chunk_times.append((self.clock() - io.t0) * 1e3)
+        rec.events.append(("landed", self.clock(), [chunk, io.count]))
         # deliver as an event so it is never re-entered from inside a claim
         self.host.post(self._chunk_done, rec.id, chunk, io.plan.outcome())
 

@@ -462,6 +462,10 @@ class Session:
         if self.p.policy != Policy.COST_AWARE:
             return []
         self._new_outlook(e.outlook)
+        if self.state == State.QUERYING and not self.sealed and not cost.worth_querying(
+                self.outlook, e.now, self.p.total - self.p.resident, self.p.chunk_max_blocks):
+            self._seal(Status.COST, "cost")  # nothing the answer could bring would pay: end now
+            return self._maybe_finish()
         if self.state != State.RUNNING or self.sealed:
             return []  # still querying (the answer re-plans) or already stopping
         return self._advance()

@@ -60,3 +60,6 @@ class Record:
     prefill_s_per_block: float = 0.0  # cost_aware: the engine's prefill cost of one block
     withdrawn: int = 0  # blocks of queued reads withdrawn at the seal
     read_s_per_block: list = dataclasses.field(default_factory=list)  # per completed L3 read
+    # the session's own timeline, [(event, clock, detail)] (bounded by its chunks): returned by
+    # ``poll`` with ``events`` so an engine-side benchmark can place each phase of a request
+    events: list = dataclasses.field(default_factory=list)

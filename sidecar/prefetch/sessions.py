@@ -129,6 +129,7 @@ class SessionManager(Service):
         rec.machine = Session(params)
         self.records[key] = rec
         self.by_id[rec.id] = rec
+        rec.events.append(("created", now, resident))
         self._counters[f"started_{policy.value}"] += 1
         if deadline is not None:
             self.sidecar.call_at(deadline, self._deadline_due, rec.id)
@@ -170,7 +171,10 @@ class SessionManager(Service):
                 now = self.clock()
                 rec.eta = now + eta_s  # once per step: the group's first poll decides for every rank
                 self._run(rec, rec.machine.handle(Replan(now, self._outlook(rec, now))))
-            return self._view(rec)
+            view = self._view(rec)
+            if msg.get("events"):  # the session's own timeline (observability; no decision)
+                view["events"] = [list(e) for e in rec.events]
+            return view
 
         return self.core.decided(conn, "poll", msg, compute)
 
@@ -210,6 +214,7 @@ class SessionManager(Service):
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
             rec.trigger_at = self.clock()
             rec.trigger = why
+            rec.events.append(("stop", rec.trigger_at, why))
 
     def _deadline_due(self, sid: int) -> None:
         rec = self.by_id.get(sid)
@@ -221,6 +226,7 @@ class SessionManager(Service):
         rec = self.by_id.get(sid)
         if rec is not None:
             now = self.clock()
+            rec.events.append(("query", now, hits))
             self._run(rec, rec.machine.handle(QueryDone(hits, now, self._outlook(rec, now))))
 
     def _chunk_done(self, sid: int, chunk: int, ok: tuple) -> None:
@@ -239,6 +245,7 @@ class SessionManager(Service):
         """Carry out actions (the executor), answer the waits, arm the drain budget."""
         if rec.machine.sealed and rec.sealed_at is None:
             rec.sealed_at = self.clock()
+            rec.events.append(("sealed", rec.sealed_at, rec.machine.reason or ""))
         self.executor.carry_out(rec, actions)
         self.waits.wake(rec.id, rec.machine, lambda: self._view(rec))
         if rec.machine.state == State.DRAINING and not rec.drain_timer:
@@ -258,6 +265,7 @@ class SessionManager(Service):
     def _finish(self, rec: Record, a: Finish) -> None:
         now = self.clock()
         rec.terminal_at = now
+        rec.events.append(("terminal", now, [a.status.value, a.prefix]))
         lease = self.pool.finish(rec.hold, a.prefix, rec.key, retain=a.status != Status.ABORTED,
                                  ttl_s=self.cfg.retained_ttl_s, now=now)
         if lease is not None:

@@ -1,0 +1,351 @@
+"""The engine ranks of the real-process simulator (``scripts.simulate``): the request stream,
+the simulated model's KV (a pure function of the block key, so every load can be checked), one
+TP rank's scheduler copy (adapter, paged KV pool, waiting queue) and the pool of rank processes
+the leader drives one SPMD step at a time.
+
+A rank's prefill runs "on the device" (modelled busy time) while its loop goes on receiving and
+polling; the simulator's own page checks run on a helper thread in that time, outside TTFT.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import multiprocessing as mp
+import random
+import time
+
+from kvsidecar.shm.layout import KVLayout
+
+from scripts import ttft_bounds
+
+
+def make_layout(tp: int) -> KVLayout:
+    return KVLayout(model="sim", num_layers=4, num_kv_heads=4, head_dim=32, dtype="float16",
+                    tokens_per_block=64, tp_size=tp)
+
+
+def request_stream(seed: int, n: int, n_prefixes: int, prefix_tokens: int, suffix_tokens: int, gap_s: float,
+                   load: float | None = None, compute_ms_per_ktok: float = 50.0, pool_blocks: int = 0,
+                   follow_up: float = 0.25):
+    """(arrival_s, req_id, tokens): shared system prompts, unique suffixes, follow-up turns.
+
+    Arrivals: with ``load`` None, Poisson with mean gap ``gap_s``; with ``load`` > 0, Poisson at
+    ``load`` x the capacity of the no-prefetch engine (its mean service: the prefill of what is
+    not in an LRU pool of ``pool_blocks`` blocks); with ``load`` == 0 (idle), each request arrives
+    1.2 x its full prefill after the one before."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 32000) for _ in range(prefix_tokens)] for _ in range(n_prefixes)]
+    prompts = []
+    for _ in range(n):
+        if prompts and rng.random() < follow_up:  # a follow-up turn of an earlier conversation
+            base = rng.choice(prompts)
+        else:
+            base = prefixes[rng.randrange(n_prefixes)]
+        prompts.append(base + [rng.randrange(1, 32000) for _ in range(suffix_tokens)])
+    if load is None:
+        gaps = [rng.expovariate(1.0 / gap_s) for _ in range(n)]
+    else:
+        service = ttft_bounds.no_prefetch_service_s(prompts, 64, compute_ms_per_ktok, pool_blocks)
+        arr = random.Random(seed * 7919 + 1)
+        mean = sum(service) / len(service)
+        full = [len(t) * compute_ms_per_ktok / 1024 / 1e3 for t in prompts]  # idle: even a miss has finished
+        gaps = [1.2 * s for s in full] if load <= 0 else [arr.expovariate(load / mean) for _ in range(n)]
+    out, t = [], 0.0
+    for i, toks in enumerate(prompts):
+        out.append((t, f"r{i}", toks))
+        t += gaps[i]
+    return out
+
+
+def stream_of(args: dict) -> list:
+    return request_stream(args["seed"], args["requests"], args["n_prefixes"], args["prefix_tokens"],
+                          args["suffix_tokens"], args.get("gap_s", 1.0), load=args.get("load"),
+                          compute_ms_per_ktok=args["compute_ms_per_ktok"], pool_blocks=args["pool_blocks"])
+
+
+# -- the simulated model's KV: a pure function of the block key, so every load can be checked ----
+def _base(layout: KVLayout, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234 + layout.shard_of(rank))
+    shape = (layout.tokens_per_block, layout.heads_per_shard, layout.head_dim)
+    return [[torch.randint(-100, 100, shape, generator=g).to(torch.float16) for _ in range(layout.kv_factor)]
+            for _ in range(layout.num_layers)]
+
+
+def _seed(key: bytes) -> int:
+    return int.from_bytes(key[:4], "little") % 997
+
+
+def _expected(base_t, seeds):
+    import torch
+
+    s = torch.tensor(seeds, dtype=torch.float16).view(-1, 1, 1, 1)
+    return base_t.unsqueeze(0) + s
+
+
+def fill_pages(kv, base, pages: list, keys: list) -> None:
+    """Write the model's KV for ``keys`` into ``pages`` (one vectorised copy per tensor)."""
+    if not pages:
+        return
+    import torch
+
+    idx, seeds = torch.tensor(pages), [_seed(k) for k in keys]
+    for layer, tensors in enumerate(kv):
+        for k, t in enumerate(tensors):
+            t.index_copy_(0, idx, _expected(base[layer][k], seeds))
+
+
+def bad_pages(kv, base, pages: list, keys: list) -> int:
+    """How many of ``pages`` do not hold the model's KV for ``keys``."""
+    if not pages:
+        return 0
+    import torch
+
+    idx, seeds = torch.tensor(pages), [_seed(k) for k in keys]
+    bad = torch.zeros(len(pages), dtype=torch.bool)
+    for layer, tensors in enumerate(kv):
+        for k, t in enumerate(tensors):
+            got = t.index_select(0, idx)
+            bad |= (got != _expected(base[layer][k], seeds)).flatten(1).any(1)
+    return int(bad.sum())
+
+
+def fill_page(kv, base, page: int, key: bytes) -> None:
+    fill_pages(kv, base, [page], [key])
+
+
+def page_ok(kv, base, page: int, key: bytes) -> bool:
+    return bad_pages(kv, base, [page], [key]) == 0
+
+
+class _Rank:
+    """One TP rank for one arm: its adapter, its paged KV pool, its copy of the waiting queue."""
+
+    def __init__(self, args: dict, rank: int):
+        import torch
+
+        from kvsidecar.connector.adapter import AdapterConfig, EngineAdapter
+
+        self.args, self.rank = args, rank
+        lay = self.layout = make_layout(args["tp"])
+        self.T = lay.tokens_per_block
+        kw = args.get("arm_kw")
+        self.prefetch = kw is not None
+        policy = (kw or {}).get("policy", "timeout")
+        budget = (kw or {}).get("budget_s", args.get("budget_s"))
+        cfg = AdapterConfig(policy=policy, chunk_max_blocks=(kw or {}).get("chunk_max_blocks"),
+                            budget_s=budget if policy == "timeout" else None,
+                            store_to_l3=args["store_to_l3"],
+                            prefill_s_per_block=self.compute_s_per_block() or None)
+        self.ad = EngineAdapter(args["instance"], lay, rank=rank, group=f"sim-{args['arm']}", config=cfg)
+        shape = (args["engine_pages"], self.T, lay.heads_per_shard, lay.head_dim)
+        self.kv = [tuple(torch.zeros(shape, dtype=torch.float16) for _ in range(lay.kv_factor))
+                   for _ in range(lay.num_layers)]
+        self.ad.kv_caches = self.kv
+        self.base = _base(lay, rank)
+        self.free_pages = list(range(args["engine_pages"] - 1, -1, -1))
+        self.stream = {rid: (arr, toks) for arr, rid, toks in stream_of(args)}
+        self.queue: list = []
+        self.demanded: set = set()
+        self.corrupt = 0
+        self.running: dict | None = None  # the prefill on the device: rid, modelled end, pages
+        self.checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sim-check")
+        self.timeline = rank == 0 and bool(args.get("timeline"))
+        self.marks: dict = collections.defaultdict(dict)  # rid -> {phase: monotonic time}
+        self._instrument()
+        self.ad.start()
+
+    def _instrument(self) -> None:
+        """Stamp when the GET answered and the copy ended (wrapping the connector, not changing it)."""
+        conn, marks, cur = self.ad.conn, self.marks, self
+
+        def timed(fn, name):
+            def call(*a, **kw):
+                out = fn(*a, **kw)
+                if cur._admitting is not None:
+                    marks[cur._admitting][name] = time.monotonic()
+                return out
+            return call
+
+        self._admitting = None
+        conn.get, conn.load = timed(conn.get, "got"), timed(conn.load, "loaded")
+
+    def _check_and_fill(self, pages: list, keys: list, restored: int) -> int:
+        bad = bad_pages(self.kv, self.base, pages[:restored], keys[:restored])
+        fill_pages(self.kv, self.base, pages[restored:], keys[restored:])
+        return bad
+
+    def compute_s_per_block(self) -> float:
+        return self.args["compute_ms_per_ktok"] * self.T / 1024 / 1e3
+
+    def alloc(self, n):
+        if n > len(self.free_pages):
+            return None
+        return [self.free_pages.pop() for _ in range(n)]
+
+    def step(self, step: int, arrivals: list, t0: float, busy_until: float | None = None) -> dict:
+        """One loop iteration: requests that arrived enter the queue (and prefetch); a prefill
+        that ended completes; a free engine scans the queue and starts the first ready request.
+        The prefill itself runs "on the device" (modelled as busy time) while the loop goes on,
+        as with an overlapping scheduler: arrivals during a prefill enter the queue at once."""
+        for rid in arrivals:
+            self.queue.append(rid)
+            if self.prefetch:
+                self.ad.on_queue_entry(rid, self.stream[rid][1], eta_s=self.eta_s(len(self.queue) - 1))
+            self.marks[rid]["entered"] = time.monotonic()
+        out = {"done": None, "admitted": None, "end": None}
+        if self.running is not None:
+            # the group's prefill ends when its slowest rank's does (the leader's verdict: SPMD)
+            if busy_until is None:  # the leader's verdict for this step: not ended yet
+                return out
+            self.running["end"] = busy_until
+            out["done"] = self.complete(t0)
+        for pos, rid in enumerate(self.queue):
+            eta = self.eta_s(pos)
+            # a scanned request is a scheduling candidate (SGLang's terminate_prefetch check): it
+            # could have started now.  (Demanding only the one an ETA puts at "now" was tried: the
+            # virtual replay of the measured rows says it is worse — cost_aware kept reading for
+            # requests the engine then waited on.)
+            if rid not in self.demanded:
+                self.demanded.add(rid)
+                self.ad.on_candidate(rid)
+                self.marks[rid]["candidate"] = time.monotonic()
+            ready, _ = self.ad.check_progress(rid, step, eta_s=eta)
+            if not ready:
+                continue  # skipped: the scheduler goes on to the next request
+            del self.queue[pos]
+            out["admitted"] = self.admit(rid, step)
+            out["end"] = self.running["end"]
+            break
+        return out
+
+    def busy_s(self) -> float:
+        return max(0.0, self.running["end"] - time.monotonic()) if self.running else 0.0
+
+    def eta_s(self, position: int) -> float | None:
+        """When the request at ``position`` can start: what the device still runs, plus the
+        prefills ahead of it in the queue — less what a request ahead will not compute (the
+        blocks its session already holds, from that request's last poll)."""
+        ahead = sum(len(self.stream[r][1]) // self.T - self.ad.restorable_blocks(r) for r in self.queue[:position])
+        return self.ad.eta_s(ahead, busy_s=self.busy_s())
+
+    def admit(self, rid: str, step: int) -> tuple:
+        arr, toks = self.stream[rid]
+        T = self.T
+        n_blocks = len(toks) // T
+        chain = self.ad.chain(rid, toks)
+        m = self.marks[rid]
+        self._admitting = rid
+        m["admit"] = time.monotonic()
+        slot = self.ad.admit(rid, toks, step, self.alloc)  # the product: GET (lease) + copy
+        self._admitting = None
+        m.setdefault("got", m["admit"])
+        m.setdefault("loaded", m["got"])
+        restored = slot.tokens // T
+        pages = slot.pages[:restored] + (self.alloc(n_blocks - restored) or [])
+        compute_tokens = len(toks) - slot.tokens
+        t_c = m["prefill_start"] = time.monotonic()
+        end = t_c + compute_tokens * self.args["compute_ms_per_ktok"] / 1024 / 1e3  # the modelled prefill
+        # the simulator's own work, in the prefill's shadow on a helper thread (torch releases the
+        # GIL), so the loop goes on receiving and polling: check what was loaded, fill the rest
+        keys = [chain[j * 16:(j + 1) * 16] for j in range(len(pages))]
+        check = self.checker.submit(self._check_and_fill, pages, keys, restored)
+        self.running = {"rid": rid, "end": end, "over": 0.0, "slot": slot, "pages": pages,
+                        "compute_tokens": compute_tokens, "step": step, "check": check}
+        return (rid, slot.tokens)
+
+    def complete(self, t0: float) -> dict:
+        """The running prefill ended (at its modelled end: TTFT is stamped there)."""
+        run, self.running = self.running, None
+        rid, slot, pages = run["rid"], run["slot"], run["pages"]
+        waited = time.monotonic()
+        self.corrupt += run["check"].result(timeout=60)  # (bounded) its pages are freed below
+        run["over"] = max(0.0, time.monotonic() - max(waited, run["end"]))  # reported, not charged
+        arr, toks = self.stream[rid]
+        m = self.marks[rid]
+        t_end = m["prefill_end"] = run["end"]
+        ttft = t_end - t0 - arr
+        status, events = "none", None
+        if self.rank == 0 and rid in self.ad.prefetching:  # observability, after TTFT was stamped
+            view = self.ad._call(lambda: self.ad.conn.client.call("poll", req=rid, events=self.timeline or None), {})
+            status, events = view.get("status", "none"), view.get("events")
+        self.ad.commit_restore(rid)
+        self.ad.store_after_prefill(rid, toks, pages, run["step"])
+        self.free_pages.extend(reversed(pages))
+        out = {"req": rid, "ttft_ms": ttft * 1e3, "queue_ms": (m["admit"] - t0 - arr) * 1e3,
+               "restored_tokens": slot.tokens, "recomputed_tokens": run["compute_tokens"], "tokens": len(toks),
+               "prefill_ms": (t_end - m["prefill_start"]) * 1e3, "load_ms": (m["loaded"] - m["got"]) * 1e3,
+               "sim_overhead_ms": run["over"] * 1e3, "status": status}
+        if self.timeline:
+            rel = {k: round((v - t0 - arr) * 1e3, 3) for k, v in m.items()}
+            rel["arrival"] = 0.0
+            out["timeline"] = rel
+            out["events"] = [[e[0], round((e[1] - t0 - arr) * 1e3, 3), e[2]] for e in events or ()]
+        del self.marks[rid]
+        return out
+
+
+def rank_main(rank: int, conn) -> None:
+    """A rank process: per arm, builds its rank and executes the leader's steps; stays up across arms."""
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    torch.set_num_threads(1)  # one core per rank: intra-op threads only thrash on a shared machine
+    conn.send("up")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "exit":
+            break
+        args = msg[1]
+        r = _Rank(args, rank)
+        conn.send("ready")
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, step, arrivals, t0, busy_until = msg
+            conn.send(r.step(step, arrivals, t0, busy_until))
+        if r.running is not None:
+            r.corrupt += r.running["check"].result(timeout=60)
+        r.checker.shutdown(wait=True)
+        conn.send({"rank": rank, "corrupt": r.corrupt, "degraded": r.ad.misses_degraded, "left": len(r.queue)})
+        r.ad.close()
+
+
+class RankPool:
+    """``tp`` rank processes, started once and reused by every arm (a fresh adapter per arm)."""
+
+    def __init__(self, tp: int):
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for r in range(tp):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=rank_main, args=(r, b), daemon=True)
+            p.start()
+            self.pipes.append(a)
+            self.procs.append(p)
+        for a in self.pipes:
+            if not a.poll(120) or a.recv() != "up":
+                self.close()
+                raise RuntimeError("a simulator rank did not start")
+
+    def close(self) -> None:
+        for a in self.pipes:
+            try:
+                a.send(("exit",))
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

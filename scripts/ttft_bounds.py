@@ -1,0 +1,200 @@
+"""Bounds for the real-process TTFT benchmark, from the rates the run itself achieved, and the
+per-request breakdown of each arm's gap to the bound by phase.
+
+* :func:`measured_rates`: the L3 read cost the sidecar achieved (a least-squares fit of
+  ``latency + blocks x s_per_block`` over every chunk read of the run, from the sessions' own
+  events), the prefill cost per block and the copy cost per block the engine achieved.
+* :func:`per_request_bounds`: the stream replayed on one FIFO engine with an LRU pool of the
+  sidecar's size (filled by every prefill): per request the serial bound
+  ``min_k (queue + transfer(k) + copy(k) + compute(n - k))`` (pool hits cost their copy) and the
+  overlap oracle (``max(transfer, compute)``: needs compute/load overlap; report only), with
+  the parts of the serial one (queue, transfer, copy, compute).
+* :func:`gap_breakdown`: per arm, where the mean TTFT goes beyond the bound: waiting for the
+  engine (queue), waiting for the request's own prefetch, the GET, the copy, the prefill.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import statistics
+
+PHASES = ("enter", "queue", "prefetch", "get", "load", "prefill")
+
+
+def no_prefetch_service_s(prompts: list, tokens_per_block: int, compute_ms_per_ktok: float, pool_blocks: int) -> list:
+    """Per prompt, what an engine that never reads L3 spends on it: the prefill of what an LRU
+    pool of ``pool_blocks`` blocks (filled by every prefill) does not hold."""
+    T = tokens_per_block
+    pool: collections.OrderedDict = collections.OrderedDict()
+    out = []
+    for toks in prompts:
+        keys, h = [], b""
+        for j in range(len(toks) // T):
+            h = hashlib.blake2b(h + repr(toks[j * T:(j + 1) * T]).encode(), digest_size=16).digest()
+            keys.append(h)
+        hit = 0
+        while hit < len(keys) and keys[hit] in pool:
+            hit += 1
+        out.append((len(toks) - hit * T) * compute_ms_per_ktok / 1024 / 1e3)
+        for k in keys:
+            pool[k] = True
+            pool.move_to_end(k)
+        while len(pool) > pool_blocks:
+            pool.popitem(last=False)
+    return out
+
+
+def keyed_stream(stream: list, layout) -> list:
+    from kvsidecar.connector.hashing import BlockHasher
+
+    h = BlockHasher(layout)
+    return [(arr, rid, h.chain(toks)) for arr, rid, toks in stream]
+
+
+def fit_reads(reads: list) -> tuple | None:
+    """(latency_s, s_per_block) by least squares over [(blocks, seconds)]; None without reads.
+    Reads of one size cannot split latency from bandwidth: then latency is 0 (all per block)."""
+    if not reads:
+        return None
+    n = len(reads)
+    kb = sum(k for k, _ in reads) / n
+    sb = sum(s for _, s in reads) / n
+    var = sum((k - kb) ** 2 for k, _ in reads) / n
+    if var > 1e-9:
+        slope = sum((k - kb) * (s - sb) for k, s in reads) / n / var
+        lat = sb - slope * kb
+        lat = min(max(lat, 0.0), min(s for _, s in reads))
+    else:
+        lat = 0.0
+    per_block = max(1e-9, (sum(s for _, s in reads) - n * lat) / sum(k for k, _ in reads))
+    return lat, per_block
+
+
+def measured_rates(arms: dict, layout, *, nominal_l3_s_per_block: float, nominal_latency_s: float,
+                   nominal_compute_s_per_block: float) -> dict:
+    """What this run achieved, over every arm (all read the same L3, on the same engine)."""
+    T = layout.tokens_per_block
+    reads, pre_ms, pre_blocks, load_ms, load_blocks = [], 0.0, 0, 0.0, 0
+    for a in arms.values():
+        for r in a.get("results", ()):
+            for ev in r.get("events") or ():
+                if ev[0] == "read":
+                    reads.append((ev[2][1], ev[2][2]))
+            blocks = r["recomputed_tokens"] / T
+            if blocks >= 1:
+                pre_ms += r["prefill_ms"]
+                pre_blocks += blocks
+            if r["restored_tokens"]:
+                load_ms += r["load_ms"]
+                load_blocks += r["restored_tokens"] // T
+    fit = fit_reads(reads)
+    lat, per_block = fit if fit else (nominal_latency_s, nominal_l3_s_per_block)
+    compute = pre_ms / 1e3 / pre_blocks if pre_blocks else nominal_compute_s_per_block
+    copy = load_ms / 1e3 / load_blocks if load_blocks else 0.0
+    return {"l3_latency_s": lat, "l3_s_per_block": per_block, "l3_reads": len(reads), "l3_measured": bool(fit),
+            "compute_s_per_block": compute, "copy_s_per_block": copy, "ratio": per_block / compute,
+            "nominal": {"l3_latency_s": nominal_latency_s, "l3_s_per_block": nominal_l3_s_per_block,
+                        "compute_s_per_block": nominal_compute_s_per_block,
+                        "ratio": nominal_l3_s_per_block / nominal_compute_s_per_block}}
+
+
+def per_request_bounds(keyed: list, rates: dict, pool_blocks: int, key_bytes: int = 16) -> dict:
+    """rid -> {serial, oracle, queue, transfer, copy, compute, k, hits} (ms) on one FIFO engine."""
+    lat, l3 = rates["l3_latency_s"], rates["l3_s_per_block"]
+    c, cp = rates["compute_s_per_block"], rates["copy_s_per_block"]
+    out: dict = {}
+    for kind in ("serial", "oracle"):
+        pool: collections.OrderedDict = collections.OrderedDict()
+        free_at = 0.0
+        for arrival, rid, chain in keyed:
+            keys = [chain[i:i + key_bytes] for i in range(0, len(chain), key_bytes)]
+            h = 0
+            while h < len(keys) and keys[h] in pool:
+                h += 1
+            rest = len(keys) - h
+            start = max(arrival, free_at)
+            best, parts = float("inf"), None
+            for k in range(rest + 1):
+                transfer = (lat + k * l3) if k else 0.0
+                compute = (rest - k) * c
+                copy = (h + k) * cp
+                v = (transfer + compute if kind == "serial" else max(transfer, compute)) + copy
+                if v < best:
+                    best, parts = v, (k, transfer, copy, compute)
+            free_at = start + best
+            b = out.setdefault(rid, {})
+            b[kind] = (free_at - arrival) * 1e3
+            if kind == "serial":
+                k, transfer, copy, compute = parts
+                b.update(queue=(start - arrival) * 1e3, transfer=transfer * 1e3, copy=copy * 1e3,
+                         compute=compute * 1e3, k=k, hits=h, blocks=len(keys))
+            for key in keys:
+                pool[key] = True
+                pool.move_to_end(key)
+            while len(pool) > pool_blocks:
+                pool.popitem(last=False)
+    return out
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def summary(ms: list) -> dict:
+    return {"ttft_p50_ms": _pct(ms, 0.5), "ttft_p90_ms": _pct(ms, 0.9), "ttft_p99_ms": _pct(ms, 0.99),
+            "ttft_mean_ms": sum(ms) / max(1, len(ms))}
+
+
+def phases_of(r: dict) -> dict | None:
+    """A request's measured phases (ms) from its timeline, or None without one."""
+    t = r.get("timeline")
+    if not t or "admit" not in t:
+        return None
+    entered = t.get("entered", 0.0)
+    terminal = next((ev[1] for ev in r.get("events") or () if ev[0] == "terminal"), None)
+    waited = max(0.0, t["admit"] - entered)
+    # time until its own session ended counts as prefetch; the rest of the wait was the engine's
+    prefetch = min(waited, max(0.0, terminal - entered)) if terminal is not None else 0.0
+    return {"enter": entered, "queue": waited - prefetch, "prefetch": prefetch,
+            "get": t["got"] - t["admit"], "load": t["loaded"] - t["got"],
+            "prefill": t["prefill_end"] - t["loaded"]}
+
+
+def gap_breakdown(results: list, bounds: dict) -> dict:
+    """Mean measured phases, the bound's parts, and the gap per phase (ms), over the arm's
+    requests; also the same over pool hits (the bound restores nothing from L3 and computes
+    at most the suffix) to expose the fixed cost per request."""
+    rows = [(phases_of(r), bounds.get(r["req"]), r) for r in results]
+    rows = [(p, b, r) for p, b, r in rows if p is not None and b is not None]
+    if not rows:
+        return {}
+
+    def mean(xs):
+        return statistics.fmean(xs) if xs else 0.0
+
+    meas = {ph: mean([p[ph] for p, _, _ in rows]) for ph in PHASES}
+    bnd = {"queue": mean([b["queue"] for _, b, _ in rows]), "prefetch": mean([b["transfer"] for _, b, _ in rows]),
+           "load": mean([b["copy"] for _, b, _ in rows]), "prefill": mean([b["compute"] for _, b, _ in rows])}
+    gap = {ph: meas[ph] - bnd.get(ph, 0.0) for ph in PHASES}
+    hits = [(r, b) for _, b, r in rows if b["hits"] >= b["blocks"] - 2]
+    return {"n": len(rows), "measured": meas, "bound": bnd, "gap": gap,
+            "ttft_mean_ms": mean([r["ttft_ms"] for _, _, r in rows]),
+            "bound_mean_ms": mean([b["serial"] for _, b, _ in rows]),
+            "ratio_to_bound_p50": _pct([r["ttft_ms"] / max(1e-3, b["serial"]) for _, b, r in rows], 0.5),
+            "pool_hits": {"n": len(hits), "ttft_mean_ms": mean([r["ttft_ms"] for r, _ in hits]),
+                          "bound_mean_ms": mean([b["serial"] for _, b in hits])}}
+
+
+def print_gaps(arms: dict) -> None:
+    print(f"\ngap to the serial bound by phase (mean ms per request; + is lost to the bound):")
+    print(f"{'arm':<18} {'TTFT':>7} {'bound':>7} " + " ".join(f"{ph:>9}" for ph in PHASES) + "   pool hits: TTFT/bound")
+    for arm, a in arms.items():
+        g = a.get("gap") or {}
+        if not g:
+            continue
+        ph = g["pool_hits"]
+        hit = f"{ph['ttft_mean_ms']:.1f}/{ph['bound_mean_ms']:.1f} ms (n={ph['n']})" if ph["n"] else "-"
+        print(f"{arm:<18} {g['ttft_mean_ms']:>7.1f} {g['bound_mean_ms']:>7.1f} "
+              + " ".join(f"{g['gap'][p]:>+9.1f}" for p in PHASES) + f"   {hit}")

@@ -1,0 +1,95 @@
+"""Calibration of the virtual model against the real-process table (issue 22, item 5).
+
+    python -m scripts.ttft_calibrate TABLE.json [--json OUT]
+
+For every row of a ``scripts.simulate --table`` JSON, replays the row's own request stream
+(same prompts, same arrivals) through the virtual-time simulator (``scripts.sim_virtual``:
+kvsidecar's real control plane on a virtual clock) with the rates that row measured (L3
+latency and per-block cost, prefill and copy per block) and compares every arm's p50 with the
+real one (median over trials).  The virtual model is evidence only where it predicts every arm
+within 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from scripts import sim_virtual as sv
+from scripts import simulate, trials as trials_mod, ttft_bounds
+from scripts.ttft_table import (COMPUTE_MS_PER_KTOK, N_PREFIXES, POOL_BLOCKS, PREFIX_TOKENS, TABLE_ARMS)
+
+TOLERANCE = 0.10
+
+
+def fixed_costs(run: dict) -> dict:
+    """The per-request fixed costs the real run showed (medians over every arm's requests): the
+    L3 existence query (session created -> answered) and the admission (queue entry and the
+    GET's round trip, which the virtual engine does not model otherwise)."""
+    query, admit = [], []
+    for a in run["arms"].values():
+        for r in a.get("results", ()):
+            ev = {e[0]: e[1] for e in r.get("events") or ()}
+            if "query" in ev and "created" in ev:
+                query.append((ev["query"] - ev["created"]) / 1e3)
+            t = r.get("timeline") or {}
+            if "got" in t:
+                admit.append((t["entered"] + t["got"] - t["admit"]) / 1e3)
+    med = statistics.median
+    return {"query_s": med(query) if query else 0.001, "admit_s": med(admit) if admit else 0.0}
+
+
+def virtual_row(row: dict, requests: int) -> dict:
+    agg = row["aggregate"]
+    rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
+    lay = simulate.make_layout(row["tp"])
+    base = dict(seed=11, requests=requests, n_prefixes=N_PREFIXES, prefix_tokens=PREFIX_TOKENS, suffix_tokens=128,
+                load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
+    stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)
+    c = rates["compute_s_per_block"]
+    fixed = fixed_costs(row["timeline_trial"])
+    p = sv.SimParams(tp=row["tp"], tokens_per_block=64, requests=requests, compute_s_per_block=c,
+                     copy_s_per_block=rates["copy_s_per_block"], l3_ratio=rates["l3_s_per_block"] / c,
+                     l3_latency_s=rates["l3_latency_s"], pool_blocks=POOL_BLOCKS,
+                     meta_latency_s=fixed["query_s"], admit_s=fixed["admit_s"])
+    out = {}
+    for arm, kw in TABLE_ARMS.items():
+        sv.ARMS.setdefault(arm, {k: v for k, v in (kw or {}).items() if k != "budget_s"} if kw else None)
+        pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s))
+        res = sv.Engine(pa, arm, stream).run()
+        ttft = [r["ttft_s"] * 1e3 for r in res["results"]]
+        real = trials_mod.median(agg["arms"][arm]["ttft_p50_ms"])
+        virt = ttft_bounds._pct(ttft, 0.5)
+        out[arm] = {"real_p50_ms": real, "virtual_p50_ms": virt, "ratio": virt / real if real else None,
+                    "within": bool(real) and abs(virt / real - 1) <= TOLERANCE}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("table")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    table = json.loads(Path(args.table).read_text())
+    rows, ok = [], 0
+    print(f"{'row':<22} " + " ".join(f"{a:>20}" for a in TABLE_ARMS) + "   (virtual/real p50)")
+    for row in table["rows"]:
+        cal = virtual_row(row, table["requests"])
+        rows.append({"name": row["name"], "arms": cal})
+        ok += all(v["within"] for v in cal.values())
+        print(f"{row['name']:<22} " + " ".join(
+            f"{v['virtual_p50_ms']:>6.0f}/{v['real_p50_ms']:<5.0f}{v['ratio']:>5.2f}{'' if v['within'] else '*':<1}   "
+            for v in cal.values()))
+    ratios = [v["ratio"] for r in rows for v in r["arms"].values() if v["ratio"]]
+    print(f"\nrows predicted within {TOLERANCE:.0%} on every arm: {ok} of {len(rows)}; "
+          f"virtual/real p50 median {statistics.median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}]")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""The real-process TTFT benchmark (scripts.simulate), quick: TP=2 rank processes, a real
+sidecar, a warm shaped file L3, Poisson arrivals; per-request timelines joined with the
+sessions' own events, bounds from the rates the run achieved, and the gap breakdown."""
+
+from __future__ import annotations
+
+from scripts import simulate
+from scripts.ttft_bounds import PHASES
+
+
+def test_quick_real_process_run_has_timelines_bounds_and_exact_data():
+    res = simulate.simulate(True, l3_mbps=400.0, arms=["no_prefetch", "cost_aware"], prefix_tokens=1024,
+                            requests=8, load=0.9, compute_ms_per_ktok=25.0, n_prefixes=3, pool_blocks=64,
+                            l3_latency_ms=1.0, timeline=True)
+    for arm, a in res["arms"].items():
+        assert a["corrupt"] == 0 and a["ranks_agree"] and a["invariants"] == "", (arm, a)
+        assert a["requests"] == 8 and a["leases_live"] == 0
+        for r in a["results"]:
+            t = r["timeline"]
+            order = [t["entered"], t["admit"], t["got"], t["loaded"], t["prefill_start"], t["prefill_end"]]
+            assert order == sorted(order), (arm, t)
+            assert abs(t["prefill_end"] - r["ttft_ms"]) < 1e-3 * max(1.0, r["ttft_ms"])
+        g = a["gap"]
+        assert g["n"] == 8 and set(g["gap"]) == set(PHASES)
+    ca = res["arms"]["cost_aware"]["results"]
+    names = {e[0] for r in ca for e in r["events"]}
+    assert {"created", "terminal"} <= names  # the session's own events came back with poll
+    assert all(not r["events"] for r in res["arms"]["no_prefetch"]["results"])
+    rates = res["rates"]
+    assert rates["compute_s_per_block"] > 0 and rates["l3_s_per_block"] > 0
+    assert res["oracle"]["ttft_mean_ms"] <= res["serial_bound"]["ttft_mean_ms"] + 1e-9
+    assert len(res["bounds_ms"]["serial"]) == 8
