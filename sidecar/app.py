@@ -101,9 +101,9 @@ class SidecarApp:
             self.pool_segment = create_pool_segment(cfg, layout.block_bytes * cfg.pool.num_blocks, stop=stop)
             self.segments.append(self.pool_segment)
             self.ctl.set_pool_name(self.pool_segment.name)
-            self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict())
             # a killed client is seen before its address space is torn down (kvsidecar.shm.deathword)
-            self.sidecar.liveness.set_death_words(lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
+            self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict(),
+                                   death_word_of=lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
             # The composition root: every edge between the services is a constructor argument
             # here.  The block state first (kv/), then what shares it (the L3 tier reads the
             # checksums, L3Ops stages restores and pins write-behind PUTs), then the KV ops (a
@@ -134,8 +134,6 @@ class SidecarApp:
                                               l3ops=l3ops, generation=self.generation)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
                                            observer=Observers(SessionLog(), self.metrics))
-            if self.metrics is not None:  # (the one edge left: metrics observes the sessions it reads)
-                self.metrics.connect(sessions=self.sessions)
             # (the inspector's tables render from the loop's snapshot: kvsidecar.sidecar.observe.status)
             for service in (self.core, l3ops, self.sessions, self.metrics):
                 if service is not None:

@@ -55,7 +55,6 @@ class MetricsService(Service, SessionObserver):
         """``core`` gives the layout's sizes; every figure comes from ``host.snapshot()`` (``tier``,
         ``l3ops`` and the sessions wired by :meth:`connect` are mounted services: they are in it)."""
         self.host, self.cfg = host, cfg
-        self.sessions = None  # wired by the composition root (connect)
         self.generation = generation
         self.block_bytes = core.index.block_bytes
         self.shard_bytes = core.layout.shard_bytes
@@ -86,12 +85,6 @@ class MetricsService(Service, SessionObserver):
         self._server = None
         self._thread = None
         self.port = 0
-
-    def connect(self, *, sessions) -> None:
-        """Wire the prefetch session manager (once; it is built after this service)."""
-        if self.sessions is not None:
-            raise RuntimeError("MetricsService is connected already")
-        self.sessions = sessions
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> int:

@@ -12,7 +12,7 @@ process dies or the watch set changes (an eventfd).
 
 A pidfd fires only after the dead process's address space is torn down, which for
 a rank that mapped a large pool with 4 KiB pages takes ~50-90 ms per GiB.  With
-``set_death_words(address_of)`` the monitor also waits on each client's death word
+``death_word_of`` (a constructor argument: key -> address) the monitor also waits on each client's death word
 (``kvsidecar.shm.deathword``: a robust mutex the client holds in its slot), which the kernel
 releases *before* that teardown, so a killed rank is reclaimed within milliseconds
 whatever the pool size.  Whichever fires first reports; ``on_dead`` runs once per watch.
@@ -32,14 +32,14 @@ log = logging.getLogger(__name__)
 
 
 class LivenessMonitor:
-    def __init__(self, on_dead):
+    def __init__(self, on_dead, death_word_of=None):
         self._on_dead = on_dead
         self._lock = threading.Lock()
         self._watches: dict[int, tuple[object, int]] = {}  # pidfd -> (key, pid)
         self._by_key: dict[object, int] = {}
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stop = False
-        self._death_word_of = None  # key -> address of the client's death word, or None
+        self._death_word_of = death_word_of  # key -> address of the client's death word (None: pidfds only)
         self._death_watches: dict[object, DeathWordWatch] = {}
         self._retired: list[DeathWordWatch] = []  # stopped, maybe still running: joined in stop()
         self.early_deaths = 0  # deaths reported by a death word before the pidfd
@@ -47,10 +47,6 @@ class LivenessMonitor:
 
     def start(self) -> None:
         self._thread.start()
-
-    def set_death_words(self, address_of) -> None:
-        """Also watch each client's death word at ``address_of(key)`` (see the module docstring)."""
-        self._death_word_of = address_of
 
     def watch(self, key, pid: int, start_ticks: int = 0) -> bool:
         """Watch ``pid`` under ``key``.  False when it is already dead (or a different process)."""

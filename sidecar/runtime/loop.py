@@ -55,7 +55,7 @@ EXHAUSTION_LOG_EVERY_S = 10.0  # at most one "slots exhausted" line per this (th
 class Sidecar:
     """Control loop over one control segment.  Services are mounted once (:meth:`mount`)."""
 
-    def __init__(self, cfg: SidecarConfig, ctl: ControlSegment, layout: dict | None = None):
+    def __init__(self, cfg: SidecarConfig, ctl: ControlSegment, layout: dict | None = None, death_word_of=None):
         self.cfg = cfg
         self.ctl = ctl
         self.layout = layout
@@ -82,7 +82,7 @@ class Sidecar:
         self._running = False
         self._stop_requested = False
         self._woke_client = False  # this step's completions woke a sleeping client: no spin
-        self.liveness = LivenessMonitor(self._on_client_dead)
+        self.liveness = LivenessMonitor(self._on_client_dead, death_word_of=death_word_of)
         self.publisher = StatsPublisher(ctl, self.snapshot, cfg.transport.stats_interval_ms * 1e-3)
         self.mount(BuiltinOps(self, ctl, instance=cfg.instance, layout=layout, checksums=cfg.integrity.checksums))
 
