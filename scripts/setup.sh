@@ -15,7 +15,7 @@ if ! command -v tmux >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
   else
-    echo "warning: tmux is missing (tests/test_inspector.py's --watch test is skipped); install it as root" >&2
+    echo "warning: tmux is missing (tests/integration/test_inspector.py's --watch test is skipped); install it as root" >&2
   fi
 fi
 PY=${PYTHON:-python3}

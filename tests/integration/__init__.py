@@ -1,0 +1,1 @@
+"""Integration tests: real sidecar processes, rings, shared memory and L3 tiers."""

@@ -1,0 +1,289 @@
+"""The HiCache backend's seam without SGLang: its copies through ``KVCopier`` (bounds checked),
+its session registry, and a sidecar restarted under it while several threads call.
+
+The host pool here is a stand-in with SGLang's ``layer_first`` buffer layout and its
+``get_page_buffer_meta`` (one pointer per (layer, K/V) of each page); tests/sglang runs the same
+backend on SGLang's own host pool.  The sidecar, rings, pool and L3 are real.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import types
+
+import pytest
+import torch
+
+from kvsidecar.connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool
+from kvsidecar.connector.kv_copy import KVCopier, KVShapeError
+from kvsidecar.connector.session_registry import SessionRef, SessionRegistry
+from kvsidecar.shm.errors import UnavailableCause as Cause
+from kvsidecar.shm.layout import KVLayout
+
+from ..helpers import wait_until
+
+PAGE, HEADS, DIM, LAYERS, PAGES = 4, 2, 8, 2, 64
+CHAIN = 6
+
+
+class HostPool:
+    """SGLang's MHA host pool, ``layer_first``: ``kv_buffer[2, layers, tokens, heads, dim]``."""
+
+    def __init__(self, seed: int = 0):
+        self.dtype, self.layer_num, self.head_num = torch.float16, LAYERS, HEADS
+        self.head_dim, self.page_size = DIM, PAGE
+        self.size = PAGES * PAGE
+        self.null_pages = False  # a host pool bug: no address for the pages' first buffer
+        g = torch.Generator().manual_seed(seed)
+        self.kv_buffer = torch.randn(2, LAYERS, self.size, HEADS, DIM, generator=g).half()
+
+    def get_page_buffer_meta(self, indices):
+        item = self.kv_buffer.element_size()
+        tok, v_off = HEADS * DIM * item, LAYERS * self.size * HEADS * DIM * item
+        base, idx = self.kv_buffer.data_ptr(), indices.tolist()
+        ptrs = []
+        for i in range(0, len(idx), PAGE):
+            for layer in range(LAYERS):
+                k = base + idx[i] * tok + layer * self.size * tok
+                ptrs += [k, k + v_off]
+        if self.null_pages:
+            ptrs[0] = 0
+        return ptrs, [PAGE * tok] * len(ptrs)
+
+    def page_bytes(self, pages) -> bytes:
+        ptrs, sizes = self.get_page_buffer_meta(indices(pages))
+        return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
+
+
+def indices(pages):
+    return torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)], dtype=torch.int64)
+
+
+def storage_config(instance, **extra):
+    return types.SimpleNamespace(tp_rank=0, tp_size=1, is_mla_model=False, model_name="standin",
+                                 extra_config={"instance": instance, "verify_loads": "all", **extra})
+
+
+def overrides(pool, tmp_path, **extra):
+    lay = layout_for_host_pool(pool, "standin", False)
+    d = {f"layout.{k}": v for k, v in lay.as_dict().items()}
+    d.update({"pool.num_blocks": 256, "l3.file_dir": str(tmp_path / "l3")})
+    d.update(extra)
+    return d
+
+
+def keys(tag: str, n: int = CHAIN):
+    return [f"{tag}-{i:060d}" for i in range(n)]
+
+
+def backend(instance, pool, **cfg):
+    b = KvSidecarHiCacheStorage(storage_config(instance, **{"timeout_s": 2.0, "reattach_every_s": 0.02, **cfg}))
+    b.register_mem_pool_host(pool)
+    return b
+
+
+# -- KVCopier: the host-piece copies and their bounds ---------------------------------------------------
+def test_copier_pieces_round_trip_and_refuse_out_of_bounds():
+    lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, tokens_per_block=4, tp_size=2)
+    pool = (ctypes.c_uint8 * (lay.block_bytes * 8))()
+    cp = KVCopier(lay, 1, ctypes.addressof(pool), len(pool))
+    pieces = lay.num_layers * lay.kv_factor
+    piece = lay.shard_bytes // pieces
+    src = [bytes([(b * 7 + j) % 256]) * piece for b in range(3) for j in range(pieces)]
+    bufs = [ctypes.create_string_buffer(x, piece) for x in src]
+    assert cp.save_pieces([5, 0, 7], [ctypes.addressof(x) for x in bufs], piece) == 3 * lay.shard_bytes
+    # rank 1's shard of block 5 holds block 0's pieces, in order; rank 0's shard is untouched
+    at = 5 * lay.block_bytes + lay.shard_bytes
+    assert bytes(pool[at:at + lay.shard_bytes]) == b"".join(src[:pieces])
+    assert bytes(pool[5 * lay.block_bytes:at]) == bytes(lay.shard_bytes)
+    assert cp.read_shard(7) == b"".join(src[2 * pieces:])
+    out = [ctypes.create_string_buffer(piece) for _ in range(pieces)]
+    cp.load_pieces([0], [ctypes.addressof(x) for x in out], piece)
+    assert [x.raw for x in out] == src[pieces:2 * pieces]
+    cp.write_shard(3, bytes([9]) * lay.shard_bytes)
+    assert cp.read_shard(3) == bytes([9]) * lay.shard_bytes
+    ptrs = [ctypes.addressof(x) for x in out]
+    for bad, msg in [(lambda: cp.load_pieces([8], ptrs, piece), "outside the pool"),
+                     (lambda: cp.load_pieces([-1], ptrs, piece), "outside the pool"),
+                     (lambda: cp.load_pieces([0], ptrs, piece // 2), "a shard is"),
+                     (lambda: cp.load_pieces([0, 1], ptrs[:3], piece), "host pieces"),
+                     (lambda: cp.save_pieces([0], [0] * pieces, piece), "no address"),
+                     (lambda: cp.write_shard(1, b"x" * (lay.shard_bytes + 1)), "a shard is"),
+                     (lambda: cp.read_shard(8), "outside the pool")]:
+        with pytest.raises(KVShapeError, match=msg):
+            bad()
+    cp.close()
+
+
+# -- the session registry -------------------------------------------------------------------------------
+def ref(rid, ks, attempt=0):
+    return SessionRef(rid, attempt, b"", {k: i for i, k in enumerate(ks)})
+
+
+def test_registry_orders_demand_end_and_query_races():
+    reg = SessionRegistry(max_early=4, max_ended=2)
+    ks = keys("a")
+    assert reg.demand("r1") is False  # before the query: remembered
+    r1 = ref("r1", ks)
+    assert reg.open(r1) and r1.demanded and reg.demand("r1") is False  # the query sends it, once
+    assert reg.for_keys(ks[2:4]) is r1 and reg.for_keys([ks[3], ks[1]]) is None  # a consecutive span only
+    assert reg.for_keys(ks[:2], bound=("r1", 0)) is r1
+    assert reg.end("r1") is r1 and r1.ended and reg.for_keys(ks[:2]) is None and len(reg) == 0
+    assert reg.end("r1") is None and reg.open(ref("r1", ks))  # ended recently: no early abort left behind
+    assert reg.end("r2") is None and reg.open(ref("r2", ks)) is False  # ended before its query: no session
+    r3, r3b = ref("r3", ks), ref("r3", ks[:3])
+    assert reg.open(r3) and reg.open(r3b) and reg.get("r3") is r3b and reg.for_keys(ks[4:]) is None
+    reg.discard(r3)  # not the open one any more: nothing changes
+    assert reg.get("r3") is r3b
+    reg.discard(r3b)
+    assert reg.get("r3") is None
+    for i in range(10):
+        reg.end(f"never{i}")  # requests that never query: the early table stays bounded
+    s = reg.sizes()
+    assert s["early"] <= 4 and s["ended"] <= 2, s
+
+
+def test_registry_from_many_threads():
+    """Query, demand and end of 400 requests race from three threads: every request ends with no
+    open session, and every open session was demanded exactly once."""
+    reg = SessionRegistry()
+    sent = []
+    lock = threading.Lock()
+    n = 400
+
+    def query():
+        for i in range(n):
+            r = ref(f"q{i}", keys(f"q{i}", 2))
+            if reg.open(r) and r.demanded:
+                with lock:
+                    sent.append(i)
+
+    def demand():
+        for i in range(n):
+            if reg.demand(f"q{i}"):
+                with lock:
+                    sent.append(i)
+
+    def end():
+        for i in range(n):
+            reg.end(f"q{i}")
+
+    ths = [threading.Thread(target=f) for f in (query, demand)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(30)
+    assert sorted(sent) == list(range(n))  # one demand per request, from whichever thread saw it first
+    end()
+    assert len(reg) == 0 and reg.sizes()["keys"] == 0
+
+
+# -- the backend on a real sidecar ------------------------------------------------------------------------
+def test_backend_pages_go_through_the_copier_bit_exact(sidecar_factory, instance, tmp_path):
+    pool = HostPool()
+    sidecar_factory(**overrides(pool, tmp_path))
+    b = backend(instance, pool)
+    ks = keys("bx")
+    assert b.batch_set_v1(ks, indices(range(CHAIN))) == [True] * CHAIN
+    assert b.batch_get_v1(ks, indices(range(32, 32 + CHAIN))) == [True] * CHAIN
+    assert pool.page_bytes(range(32, 32 + CHAIN)) == pool.page_bytes(range(CHAIN))
+    # the generic interface: whole pages as tensors, through the copier's shard reads and writes
+    vals = b.batch_get(ks[:2])
+    assert [bytes(v.numpy()) for v in vals] == [pool.page_bytes([0]), pool.page_bytes([1])]
+    assert b.batch_set(keys("gen", 1), [torch.frombuffer(bytearray(pool.page_bytes([5])), dtype=torch.uint8)])
+    assert bytes(b.batch_get(keys("gen", 1))[0].numpy()) == pool.page_bytes([5])
+    assert b.batch_set(keys("short", 1), [torch.zeros(3, dtype=torch.uint8)]) is False  # refused, not stored
+    assert b.batch_exists(keys("short", 1)) == 0
+    # the copier refuses a copy it cannot bound: a miss (not an exception in SGLang's thread), counted
+    before = pool.page_bytes(range(40, 40 + CHAIN))
+    pool.null_pages = True
+    assert b.batch_get_v1(ks, indices(range(40, 40 + CHAIN))) == [False] * CHAIN
+    assert b.batch_set_v1(keys("null"), indices(range(CHAIN))) == [False] * CHAIN
+    pool.null_pages = False
+    assert pool.page_bytes(range(40, 40 + CHAIN)) == before and b.get_stats()["copies_refused"] == 2
+    with b.connection() as c:
+        assert c.lookup(b._chain(keys("null"))) == 0  # the refused store published nothing
+    with b.connection() as c:
+        s = c.stats(check=True)
+    assert s["invariants"] == "" and s["leases"]["live"] == 0 and s["pool"]["staging"] == 0
+    b.close()
+
+
+def test_sidecar_restarted_under_the_backend_from_three_threads(sidecar_factory, instance, tmp_path):
+    """Killed (-9) and stopped (SIGTERM) while three threads read through the backend: every call
+    returns within its deadlines (misses while down), the pool re-attaches (RESTARTED counted),
+    the data served from L3 afterwards is bit-exact, and the books are clean."""
+    pool = HostPool(seed=1)
+    over = overrides(pool, tmp_path)
+    sc = sidecar_factory(**over)
+    b = backend(instance, pool, sessions={"policy": "wait_complete"})
+    ks = keys("rs")
+    assert b.batch_set_v1(ks, indices(range(CHAIN))) == [True] * CHAIN
+    want = pool.page_bytes(range(CHAIN))
+    with b.connection() as c:
+        wait_until(lambda: c.stats()["l3"]["puts_in_flight"] == 0, 20, "write-behind did not land")
+    stop = threading.Event()
+    results, errors = [], []
+
+    def reader(t):
+        dst = range(16 + t * CHAIN, 16 + (t + 1) * CHAIN)
+        n = 0
+        try:
+            while not stop.is_set():
+                n += 1
+                rid = f"t{t}-{n}"
+                with b.bind(rid):
+                    b.batch_exists(ks)
+                b.demand(rid)
+                with b.bind(rid):
+                    got = b.batch_get_v1(ks, indices(dst))
+                b.end(rid)
+                k = got.count(True)
+                per = len(want) // CHAIN
+                results.append((k, got == [True] * k + [False] * (CHAIN - k)
+                                and pool.page_bytes(dst)[:k * per] == want[:k * per]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    ths = [threading.Thread(target=reader, args=(t,)) for t in range(3)]
+    for th in ths:
+        th.start()
+    try:
+        for how in ("kill", "stop"):
+            wait_until(lambda: sum(1 for k, _ in results if k == CHAIN) >= 6, 30, "no full reads")
+            sc.kill() if how == "kill" else sc.stop()
+            mark = len(results)
+            wait_until(lambda: len(results) >= mark + 3, 30, f"calls hang after {how}")
+            sc = sidecar_factory(**over)
+            results.clear()
+            wait_until(lambda: sum(1 for k, _ in results if k == CHAIN) >= 6, 30, f"no full read after {how}")
+    finally:
+        stop.set()
+        for th in ths:
+            th.join(30)
+    assert not errors and not any(th.is_alive() for th in ths)
+    assert all(ok for _, ok in results), "a page read back differs from what was written"
+    st = b.get_stats()
+    assert st["conn_connections"] <= b.config.max_connections, st
+    assert st["conn_unavailable_restarted"] >= 2 and st["degraded_calls"] > 0, st
+    assert st["conn_slot_exhaustions"] == 0 and st["conn_attaches"] > st["conn_connections"], st
+    assert b.sessions.sizes()["open"] == 0
+    with b.connection() as c:
+        s = c.stats(check=True)
+        assert c.client.generation == sc.generation
+    assert s["invariants"] == "" and s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+    assert s["pool"]["staging"] == 0
+    b.close()
+
+
+def test_backend_without_a_sidecar_is_a_prompt_miss(instance):
+    pool = HostPool()
+    b = backend(instance, pool, reattach_every_s=60.0)  # one hold-off covers the whole test
+    assert b.batch_exists(keys("no")) == 0
+    assert b.batch_get_v1(keys("no"), indices(range(CHAIN))) == [False] * CHAIN
+    assert b.batch_set_v1(keys("no"), indices(range(CHAIN))) == [False] * CHAIN
+    st = b.get_stats()
+    assert st["degraded_calls"] >= 3 and st["conn_unavailable_not_running"] == 1, st  # one attach per hold-off
+    assert b.conns.policy.last_cause is Cause.NOT_RUNNING
+    b.close()

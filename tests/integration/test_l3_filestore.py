@@ -1,0 +1,178 @@
+"""The embedded file store: atomic files, integrity, cap, full disk; restores through a sidecar."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.layout import KVLayout
+from kvsidecar.sidecar.l3.filestore import FileStore
+from kvsidecar.sidecar.l3.shaped import ShapedBackend
+
+from .. import helpers
+
+
+def buf(n):
+    b = ctypes.create_string_buffer(n)
+    return b, ctypes.addressof(b)
+
+
+def test_write_read_exists_and_integrity(tmp_path):
+    fs = FileStore(str(tmp_path / "l3"))
+    src, sa = buf(4096)
+    ctypes.memmove(sa, os.urandom(4096), 4096)
+    assert fs.write(["a/k1", "a/k2"], [sa, sa], 2048) == [True, True]
+    assert fs.exists(["a/k1", "a/k2", "a/k3"]) == [True, True, False]
+    dst, da = buf(4096)
+    assert fs.read(["a/k1", "a/k3"], [da, da + 2048], 2048) == [True, False]
+    assert dst.raw[:2048] == src.raw[:2048]
+    # corrupt one byte of k1's data, truncate k2: both become misses and are removed
+    p1, p2 = fs._path("a/k1"), fs._path("a/k2")
+    with open(p1, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    with open(p2, "r+b") as f:
+        f.truncate(1000)
+    ctypes.memset(da, 0, 4096)
+    assert fs.read(["a/k1", "a/k2"], [da, da + 2048], 2048) == [False, False]
+    assert not os.path.exists(p1) and not os.path.exists(p2)
+    assert fs.counters["read_corrupt"] == 2
+    assert fs.read(["a/k1"], [da], 1024) == [False]  # wrong size = miss, not partial data
+    assert fs.total == 0
+
+
+def test_size_cap_evicts_lru(tmp_path):
+    fs = FileStore(str(tmp_path / "l3"), cap_bytes=5 * (1024 + 40))  # 40: the header
+    _, sa = buf(1024)
+    for i in range(5):
+        assert fs.write([f"k{i}"], [sa], 1024) == [True]  # the LRU order is the store's own, not mtimes
+    _, da = buf(1024)
+    assert fs.read(["k0"], [da], 1024) == [True]  # k0 is now the most recently used
+    assert fs.write(["k5"], [sa], 1024) == [True]
+    assert fs.exists([f"k{i}" for i in range(6)]) == [True, False, True, True, True, True]
+    assert fs.total <= fs.cap
+    # a restart rebuilds the accounting from disk, dropping leftover temporaries
+    open(os.path.join(fs.dir, "junk.tmp"), "wb").write(b"x")
+    fs2 = FileStore(fs.dir, cap_bytes=fs.cap)
+    assert fs2.total == fs.total and not os.path.exists(os.path.join(fs.dir, "junk.tmp"))
+
+
+def test_full_disk_fails_blocks_not_the_store(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        fs = FileStore(str(mnt / "l3"))
+        _, sa = buf(16384)
+        res = fs.write([f"k{i}" for i in range(8)], [sa] * 8, 16384)
+        assert res[0] is True and res[-1] is False  # the disk filled up part way
+        assert fs.counters["write_error"] >= 1
+        _, da = buf(16384)
+        assert fs.read(["k0"], [da], 16384) == [True]
+        assert not [f for f in os.listdir(mnt / "l3") if f.endswith(".tmp")]
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_shaped_failures(tmp_path):
+    inner = FileStore(str(tmp_path / "l3"))
+    _, sa = buf(4096)
+    keys = [f"k{i}" for i in range(4)]
+    inner.write(keys, [sa] * 4, 1024)
+    _, da = buf(4096)
+    assert ShapedBackend(inner, fail="first").read(keys, [da] * 4, 1024) == [False, True, True, True]
+    assert ShapedBackend(inner, fail="tail").read(keys, [da] * 4, 1024) == [True, True, True, False]
+    assert ShapedBackend(inner, fail="keys", fail_keys=("k2",)).read(keys, [da] * 4, 1024) == [True, True, False, True]
+    slow = ShapedBackend(inner, latency_s=0.05, bandwidth_bps=1e6)
+    t0 = time.monotonic()
+    slow.read(keys, [da] * 4, 1024)
+    assert time.monotonic() - t0 >= 0.05 + 4096 / 1e6 * 0.9
+
+
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
+
+
+def overrides(tmp_path, **extra):
+    d = {f"layout.{k}": v for k, v in LAY.as_dict().items()}
+    d.update({"pool.num_blocks": 64, "l3.file_dir": str(tmp_path / "l3")})
+    d.update(extra)
+    return d
+
+
+def store_to_l3(instance, kv, tokens):
+    with KVConnector(instance, LAY) as c:
+        return helpers.store_to_l3(c, kv, tokens)
+
+
+def restore_and_load(instance, tokens, n_pages):
+    with KVConnector(instance, LAY) as c:
+        chain = c.hasher.chain(tokens)
+        r = c.restore(chain)
+        lease = c.get(chain)
+        out = [tuple(torch.zeros(n_pages, 4, 2, 16, dtype=torch.float16) for _ in range(2)) for _ in range(2)]
+        c.load(lease, out, list(range(lease.count)))
+        c.release(lease)
+        s = c.stats(check=True)
+        assert s["invariants"] == ""
+        return r, lease.count, out, s
+
+
+def same(kv, out, n):
+    return all(torch.equal(a[:n], b[:n]) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+
+
+def test_file_store_persists_across_sidecar_restart(sidecar_factory, instance, tmp_path):
+    kv = [tuple(torch.randn(16, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    tokens = list(range(4 * 12))
+    sp = sidecar_factory(**overrides(tmp_path))
+    _, s = store_to_l3(instance, kv, tokens)
+    assert s["counters"]["l3_published_blocks"] == 12
+    sp.stop()
+    sidecar_factory(**overrides(tmp_path))  # a new process: the pool is empty, the files remain
+    r, n, out, s = restore_and_load(instance, tokens, 16)
+    assert r["restored"] == 12 and n == 12 and same(kv, out, 12)
+    assert s["counters"]["l3_restored_blocks"] == 12
+
+
+def test_restore_publishes_only_the_prefix_before_a_failure(sidecar_factory, instance, tmp_path):
+    kv = [tuple(torch.randn(16, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    tokens = list(range(4 * 10))
+    sp = sidecar_factory(**overrides(tmp_path))
+    store_to_l3(instance, kv, tokens)
+    sp.stop()
+    # corrupt block 6's file on disk: the restore must stop at block 6
+    files = sorted((os.path.getmtime(os.path.join(r, f)), os.path.join(r, f))
+                   for r, _, fs in os.walk(tmp_path / "l3") for f in fs)
+    assert len(files) == 10
+    from kvsidecar.connector.hashing import BlockHasher
+
+    chain = BlockHasher(LAY).chain(tokens)
+    victim = next(p for _, p in files if chain[6 * 16:7 * 16].hex() in p)
+    with open(victim, "r+b") as f:
+        f.seek(64)
+        f.write(b"corrupt!")
+    sidecar_factory(**overrides(tmp_path))
+    r, n, out, s = restore_and_load(instance, tokens, 16)
+    assert r["l3_hits"] == 10 and r["restored"] == 6 and r["failed"] == 4 and n == 6
+    assert same(kv, out, 6)
+    assert s["pool"]["staging"] == 0 and s["pool"]["resident"] == 6
+
+
+@pytest.mark.parametrize("mode,expect", [("first", 0), ("tail", 9)])
+def test_shaped_failures_through_the_sidecar(sidecar_factory, instance, tmp_path, mode, expect):
+    kv = [tuple(torch.randn(16, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    tokens = list(range(4 * 10))
+    sp = sidecar_factory(**overrides(tmp_path))
+    store_to_l3(instance, kv, tokens)
+    sp.stop()
+    sidecar_factory(**overrides(tmp_path, **{"l3.fail": mode, "l3.latency_ms": 5.0}))
+    r, n, out, s = restore_and_load(instance, tokens, 16)
+    assert r["restored"] == expect and n == expect and same(kv, out, expect)
+    assert s["pool"]["staging"] == 0

@@ -1,0 +1,300 @@
+"""Prefetch sessions through real processes and a shaped L3 (file store with latency)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.errors import ErrorCode, RemoteError
+from kvsidecar.shm.layout import KVLayout
+
+from ..helpers import file_l3_overrides, fill_l3, small_kv, wait_l3_idle, wait_terminal
+from ..waiting import wait_read_held, wait_until
+
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
+N = 48  # blocks in the test chain
+TOKENS = list(range(4 * N))
+
+
+def overrides(tmp_path, **extra):
+    return file_l3_overrides(tmp_path, LAY, 160, **extra)
+
+
+@pytest.fixture
+def kv():
+    return small_kv(N)
+
+
+@pytest.fixture
+def l3_filled(sidecar_factory, instance, tmp_path, kv):
+    """Write the test chain to the file store through one sidecar, then stop it."""
+    return fill_l3(sidecar_factory, instance, LAY, overrides(tmp_path), kv, TOKENS)
+
+
+def get_and_check(c, chain, req, kv):
+    lease = c.get(chain, req=req, step=1)
+    out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+    c.load(lease, out, list(range(lease.count)))
+    c.release(lease)
+    n = lease.count
+    assert all(torch.equal(a[:n], b[:n]) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+    return n
+
+
+def books(c):
+    s = c.stats(check=True)
+    assert s["invariants"] == "", s["invariants"]
+    return s
+
+
+def test_short_deadline_returns_a_drained_short_prefix(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    # (a budget well past the metadata query, so a loaded machine still claims a first chunk)
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 40.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=0.06, chunk_max_blocks=4)
+        p = wait_terminal(c, "r")
+        assert p["status"] == "timeout" and 0 < p["prefix"] < N
+        assert p["published"] == p["prefix"]  # the drain published what was claimed, nothing more
+        n = get_and_check(c, l3_filled, "r", kv)
+        assert n == p["prefix"]  # the engine recomputes blocks [n, N)
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_long_timeout_restores_everything(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 5.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        p = wait_terminal(c, "r")
+        assert p["status"] == "complete" and p["prefix"] == N
+        assert get_and_check(c, l3_filled, "r", kv) == N
+        s = books(c)
+        assert s["sessions"]["handoffs"] == 1 and s["leases"]["live"] == 0
+
+
+def test_best_effort_stops_on_demand_and_completes_when_queued(sidecar_factory, instance, tmp_path, kv,
+                                                                  l3_filled, timing, read_gate):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}, **read_gate.overrides()))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
+        wait_read_held(c)  # a chunk's read is in flight
+        t0 = time.monotonic()
+        c.demand("a")
+        read_gate.open()
+        p = wait_terminal(c, "a")
+        timing.within(t0, 2.0, "demand to terminal")  # one chunk's transfer (stop latency: bench.py stop)
+        assert p["status"] == "demanded" and p["prefix"] < N
+        get_and_check(c, l3_filled, "a", kv)
+    with KVConnector(instance, LAY, namespace="") as c:
+        c.prefetch(l3_filled, "b", policy="best_effort", chunk_max_blocks=4)  # never demanded
+        p = wait_terminal(c, "b")
+        assert p["status"] == "complete" and p["prefix"] == N
+        assert get_and_check(c, l3_filled, "b", kv) == N
+        books(c)
+
+
+def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_path, kv, l3_filled, read_gate):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}, **read_gate.overrides()))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        wait_read_held(c)  # a chunk's read is in flight
+        v = c.abort("r")
+        assert v["state"] == "draining"  # it waits for the held read
+        read_gate.open()
+        p = wait_terminal(c, "r")
+        assert p["status"] == "aborted" and p["lease"] == 0
+        assert c.abort("r")["status"] == "aborted"  # idempotent
+        assert c.abort("never-started")["state"] == "unknown"
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+        assert s["sessions"]["outstanding_staging"] == 0
+
+
+def test_two_ranks_one_session_and_consistent_polls(sidecar_factory, instance, tmp_path):
+    """TP=2: rank 0 and rank 1 of one group start one session; polls and the GET carry the
+    scheduler step and give both ranks the same answer; each rank releases its share."""
+    lay2 = KVLayout(**{**LAY.as_dict(), "tp_size": 2})
+    sidecar_factory(**{**{f"layout.{k}": v for k, v in lay2.as_dict().items()}, "pool.num_blocks": 160,
+                       "l3.file_dir": str(tmp_path / "l3"), "l3.latency_ms": 10.0})
+    ranks = [KVConnector(instance, lay2, rank=r, group="G") for r in (0, 1)]
+    for c in ranks:
+        c.attach()
+    torch.manual_seed(2)
+    kvs = [[tuple(torch.randn(N, 4, 1, 16).half() for _ in range(2)) for _ in range(2)] for _ in ranks]
+    chain = ranks[0].hasher.chain(TOKENS)
+    assert ranks[1].hasher.chain(TOKENS) == chain
+    sts = [c.store(chain, l3=True, req="w", step=1) for c in ranks]
+    assert sts[0].id == sts[1].id  # one group decision
+    for c, st, kv in zip(ranks, sts, kvs):
+        c.save(st, kv, list(range(st.count)))
+        c.commit(st)
+    wait_l3_idle(ranks[0])
+    ranks[0].flush()
+    va = ranks[0].prefetch(chain, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+    vb = ranks[1].prefetch(chain, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+    assert va["session"] == vb["session"] and vb["existed"] is True
+    step = 10
+    while True:  # one scheduler loop: both ranks poll with the same step, get the same answer
+        step += 1
+        pa, pb = ranks[0].poll("r", step=step), ranks[1].poll("r", step=step)
+        pa.pop("id"), pb.pop("id")  # the completion's own request id differs per client
+        assert pa == pb
+        if pa["state"] == "terminal":
+            break
+        assert step < 10_000
+        ranks[0].wait("r", until=pa["published"] + 1, timeout_s=5.0)  # the next step once a block lands
+    assert pa["status"] == "complete" and pa["prefix"] == N
+    leases = [c.get(chain, req="r", step=step + 1) for c in ranks]
+    assert leases[0].id == leases[1].id and leases[0].count == leases[1].count == N
+    for c, lease, kv in zip(ranks, leases, kvs):
+        out = [tuple(torch.zeros_like(t) for t in layer) for layer in kv]
+        c.load(lease, out, list(range(lease.count)))
+        assert all(torch.equal(a, b) for la, lb in zip(kv, out) for a, b in zip(la, lb))
+    assert ranks[0].release(leases[0]) is True
+    assert ranks[0].stats()["pool"]["pinned"] == N  # rank 1 still holds its share
+    assert ranks[1].release(leases[1]) is True
+    s = books(ranks[0])
+    assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+    for c in ranks:
+        c.detach()
+
+
+def test_shared_prefix_is_read_once(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "x", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        c.prefetch(l3_filled, "y", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        px, py = wait_terminal(c, "x"), wait_terminal(c, "y")
+        assert px["prefix"] == py["prefix"] == N
+        s = books(c)
+        assert s["l3"]["read_blocks_ok"] == N  # every block read from L3 exactly once
+        assert s["sessions"]["blocks_deduplicated"] > 0
+        assert get_and_check(c, l3_filled, "y", kv) == N
+
+
+def test_limits_stop_claiming_and_end_with_what_it_has(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    bb = LAY.block_bytes
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 5.0, "limits.pinned_bytes_limit": 20 * bb}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8)
+        p = wait_terminal(c, "r")
+        assert (p["status"], p["reason"]) == ("limit", "limit") and 0 < p["prefix"] <= 20  # healthy, not failed
+        assert get_and_check(c, l3_filled, "r", kv) == p["prefix"]
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0
+
+
+def test_checkpoints_and_failure_cut(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.fail": "keys", "l3.fail_keys": [l3_filled[30 * 16:31 * 16].hex()]}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "r", policy="timeout", budget_s=30.0, chunk_max_blocks=8, checkpoint_every=7)
+        p = wait_terminal(c, "r")
+        assert p["status"] == "failed" and p["published"] == 30 and p["prefix"] == 28  # last checkpoint <= 30
+        assert get_and_check(c, l3_filled, "r", kv) >= 28
+        s = books(c)
+        assert s["pool"]["staging"] == 0
+
+
+def test_client_death_aborts_its_sessions(sidecar_factory, instance, tmp_path, kv, l3_filled, spawn_ctx):
+    from .. import procs
+
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}))
+    a, b = spawn_ctx.Pipe()
+    p = spawn_ctx.Process(target=procs.prefetch_and_block, args=(instance, LAY.as_dict(), l3_filled, b))
+    p.start()
+    assert a.poll(30) and a.recv() == "started"
+    p.kill()
+    p.join(5)
+    with KVConnector(instance, LAY, group="observer") as c:
+        s = wait_until(lambda: books(c), 5, "the dead client's session aborted and its staging dropped",
+                       until=lambda s: s["sessions"].get("terminal_aborted") == 1 and s["pool"]["staging"] == 0)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_unknown_request_and_bad_policy(sidecar_factory, instance, tmp_path):
+    sidecar_factory(**overrides(tmp_path))
+    with KVConnector(instance, LAY) as c:
+        with pytest.raises(RemoteError) as ei:
+            c.demand("nope")
+        assert ei.value.code == ErrorCode.UNKNOWN_ID
+        with pytest.raises(RemoteError) as ei:
+            c.prefetch(c.hasher.chain(TOKENS), "r", policy="yolo")
+        assert ei.value.code == ErrorCode.BAD_FIELD
+        assert c.poll("nope")["state"] == "unknown"
+        p = c.prefetch(c.hasher.chain(TOKENS), "empty", policy="timeout")
+        assert wait_terminal(c, "empty")["status"] == "no_hit"
+        assert p["session"] > 0
+
+
+def test_config_policy_override_and_retained_ttl(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0, "sessions.policy_override": "wait_complete",
+                                             "sessions.retained_ttl_s": 0.3}))
+    with KVConnector(instance, LAY) as c:
+        v = c.prefetch(l3_filled, "r", policy="timeout", budget_s=0.001, chunk_max_blocks=4)
+        assert v["policy"] == "wait_complete"  # the sidecar's setting wins when set
+        p = wait_terminal(c, "r")
+        assert p["status"] == "complete" and p["prefix"] == N and p["chunks"] == 1  # one graph
+        assert books(c)["leases"]["live"] == 1  # the retained result
+        # past retained_ttl_s the reaper releases it (nobody took it)
+        s = wait_until(lambda: books(c), 10, "the reaper releasing the retained lease",
+                       until=lambda s: s["leases"]["live"] == 0)
+        assert s["pool"]["pinned"] == 0
+        assert s["leases"].get("dropped_expired", 0) == 1
+        assert c.poll("r")["state"] == "unknown"  # and the record is forgotten
+
+
+@pytest.mark.parametrize("budget_s", [0.04, 0.12])
+def test_a_short_session_does_not_cut_a_long_one_on_a_shared_prefix(sidecar_factory, instance, tmp_path, kv,
+                                                                     l3_filled, budget_s):
+    """Issue 13's reproduction: two requests on the same 48-block prefix, one with a short
+    timeout, one with 30 s, 30 ms L3 latency.  The long one used to end `failed` with prefix
+    8-12 (the short one withdrew the reads it waited on); the reads are now handed over."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "short", policy="timeout", budget_s=budget_s, chunk_max_blocks=4)
+        c.prefetch(l3_filled, "long", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        ps, pl = wait_terminal(c, "short"), wait_terminal(c, "long")
+        assert ps["status"] == "timeout" and ps["prefix"] < N
+        assert (pl["status"], pl["prefix"]) == ("complete", N), pl
+        assert get_and_check(c, l3_filled, "long", kv) == N
+        c.abort("short")
+        s = books(c)
+        assert s["l3"]["read_blocks_ok"] == N  # every block read once
+        assert s["pool"]["staging"] == 0 and s["leases"]["live"] == 0 and s["sessions"]["orphans"] == 0
+
+
+def test_wait_answers_at_the_query_at_a_published_count_and_at_its_deadline(sidecar_factory, instance, tmp_path,
+                                                                            kv, l3_filled, timing):
+    """The deferred ``wait`` op (what the SGLang backend blocks on instead of polling): it answers
+    once the L3 query is done (target known, nothing read yet), once ``until`` blocks are
+    published, or at its own deadline with ``timed_out`` -- and for an unknown request at once."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        assert c.wait("nobody")["state"] == "unknown"
+        c.prefetch(l3_filled, "w", policy="wait_complete")
+        q = c.wait("w", timeout_s=5.0)
+        assert q["target"] == N and q["state"] in ("running", "terminal") and not q.get("timed_out")
+        w = c.wait("w", until=N, timeout_s=10.0)
+        assert w["published"] == N and not w.get("timed_out")
+        assert get_and_check(c, l3_filled, "w", kv) == N
+        c.prefetch(l3_filled, "t", policy="best_effort", chunk_max_blocks=2)
+        t0 = time.monotonic()
+        late = c.wait("t", until=N + 1, timeout_s=0.05)  # more than the chain: only the deadline ends it
+        assert late.get("timed_out") or late["state"] == "terminal"
+        timing.within(t0, 5.0, "a wait past its deadline answering")
+        c.abort("t")
+        wait_terminal(c, "t")
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_wait_for_terminal_outlasts_the_query(sidecar_factory, instance, tmp_path, kv, l3_filled):
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "e", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        v = c.wait("e", terminal=True, timeout_s=20.0)
+        assert v["state"] == "terminal" and v["status"] == "complete" and v["prefix"] == N and not v.get("timed_out")
+        assert get_and_check(c, l3_filled, "e", kv) == N

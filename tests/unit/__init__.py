@@ -1,0 +1,1 @@
+"""Unit tests, one folder per package: one process, real objects, no sidecar process."""

@@ -1,0 +1,475 @@
+"""The cost_aware policy: its arithmetic (kvsidecar.sidecar.prefetch.cost), the session machine driving it
+with a fake clock (every trigger x estimate regime), the L3 read-cost estimator, and the
+executor feeding it (the deterministic bench of test_executor)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsidecar.shm.errors import ErrorCode, ProtocolError
+from kvsidecar.shm.protocol import PROTOCOL_VERSION, decode_request, encode
+from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
+from kvsidecar.sidecar.prefetch import cost
+from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Finish, IllegalEvent, Params, Policy, QueryDone,
+                                      Replan, Session, Start, State, Status, Tick)
+from tests.unit.sidecar.prefetch.test_executor import Bench, terminal
+
+# regimes: one block costs 10 ms to prefill
+PREFILL = 0.010
+FAST = dict(l3_latency_s=0.002, l3_s_per_block=0.004)  # restore ~0.4x prefill
+SLOW = dict(l3_latency_s=0.002, l3_s_per_block=0.017)  # restore ~1.7x prefill
+
+
+def ol(eta=0.0, regime=FAST, **kw) -> Outlook:
+    return Outlook(eta=eta, prefill_s_per_block=PREFILL, **{**regime, **kw})
+
+
+# -- the arithmetic ------------------------------------------------------------------------------
+def test_restore_cheaper_than_prefill_claims_a_full_chunk():
+    assert cost.next_claim(ol(), 0.0, remaining=100, chunk_max=32, current_end=0.0, claimed_before=False) == 32
+
+
+def test_restore_dearer_than_prefill_and_no_slack_claims_nothing():
+    assert cost.next_claim(ol(regime=SLOW), 0.0, 100, 32, 0.0, False) == 0
+
+
+def test_restore_dearer_claims_only_what_lands_before_the_eta():
+    o = ol(eta=0.2, regime=SLOW)  # (0.2 - 0.002) / 0.017 = 11.6 -> 11 blocks land by the eta
+    k = cost.next_claim(o, 0.0, 100, 32, 0.0, False)
+    assert k == 11 and cost.lands(o, 0.0, k, 0.0) <= 0.2 < cost.lands(o, 0.0, k + 1, 0.0)
+
+
+def test_backlog_ahead_eats_the_slack():
+    assert cost.next_claim(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 0
+
+
+def test_latency_larger_than_the_saving_of_a_short_tail_is_not_paid():
+    o = ol(l3_latency_s=0.050)  # 2 blocks save 12 ms, the read costs 58 ms
+    assert cost.next_claim(o, 0.0, 2, 32, 0.0, False) == 0
+    assert cost.next_claim(o, 0.0, 32, 32, 0.0, False) == 32  # 32 blocks save 192 ms > 178 ms
+
+
+def test_unknown_prefill_cost_restores_only_behind_the_queue():
+    o = Outlook(eta=0.1, prefill_s_per_block=0.0, **FAST)
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) == 0  # nothing is saved by restoring
+    o = Outlook(eta=0.1, prefill_s_per_block=0.0, **FAST)
+    assert cost.gain(o, 0.0, 10, 0.0) == 0.0
+
+
+def test_a_probe_without_evidence_reads_one_small_chunk_once():
+    o = ol(regime=SLOW, probe_blocks=4)
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, claimed_before=False) == 4
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, claimed_before=True) == 0
+
+
+def test_a_pool_hit_with_a_short_tail_does_not_wait_for_the_query():
+    # 2 blocks would save 12 ms; the query alone takes 15 ms: the candidate must not wait for it
+    assert not cost.worth_querying(ol(query_s=0.015), 0.0, remaining=2, chunk_max=8)
+    # ... while a long tail pays for the wait (32 blocks save 192 ms)
+    assert cost.worth_querying(ol(query_s=0.015), 0.0, remaining=32, chunk_max=8)
+
+
+def test_a_dearer_l3_with_no_queue_to_hide_behind_does_not_wait_for_the_query():
+    assert not cost.worth_querying(ol(regime=SLOW), 0.0, remaining=100, chunk_max=8)
+    # with the eta 0.2 s away some blocks land in its shadow: worth the answer
+    assert cost.worth_querying(ol(eta=0.2, regime=SLOW), 0.0, remaining=100, chunk_max=8)
+    # ... unless the lane's backlog eats that slack
+    assert not cost.worth_querying(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, remaining=100, chunk_max=8)
+
+
+def test_without_evidence_the_query_is_always_awaited_so_the_estimator_learns():
+    assert cost.worth_querying(ol(regime=SLOW, probe_blocks=4), 0.0, remaining=2, chunk_max=8)
+    assert not cost.worth_querying(ol(), 0.0, remaining=0, chunk_max=8)
+
+
+def test_unknown_query_latency_counts_one_l3_round_trip():
+    o = ol(l3_latency_s=0.004)  # 1 block saves 6 ms; query >= 4 ms + read 4 + 4 ms = 12 ms
+    assert not cost.worth_querying(o, 0.0, remaining=1, chunk_max=8)
+    assert cost.worth_querying(o, 0.0, remaining=4, chunk_max=8)  # 24 ms saved > 4 + 4 + 16
+
+
+def test_chunks_grow_only_while_restoring_pays_and_never_past_eight_times():
+    assert cost.chunk_size(ol(regime=SLOW), 8) == 8  # a stop is likely: chunk_max bounds its regret
+    assert cost.chunk_size(ol(l3_latency_s=1.0), 8) == 64
+    assert cost.chunk_size(ol(l3_latency_s=0.0), 8) == 8
+
+
+def test_second_chunk_in_the_window_queues_behind_the_first():
+    o = ol(eta=0.2, regime=SLOW)
+    first = cost.next_claim(o, 0.0, 100, 8, 0.0, False)
+    assert first == 8
+    queued = o.l3_latency_s + 8 * o.l3_s_per_block
+    end = cost.lands(o, 0.0, 8, 0.0)
+    second = cost.next_claim(o, 0.0, 92, 8, end, True, queued)
+    assert second == 3 and cost.lands(o, 0.0, 3, end, queued) <= 0.2  # what still fits before the eta
+
+
+def test_outlook_refuses_nonsense():
+    with pytest.raises(ValueError):
+        Outlook(eta=0.0, prefill_s_per_block=-1, l3_latency_s=0, l3_s_per_block=0)
+    with pytest.raises(ValueError):
+        Outlook(eta=float("nan"), prefill_s_per_block=0, l3_latency_s=0, l3_s_per_block=0)
+
+
+# -- the machine with a fake clock ---------------------------------------------------------------
+def session(total=64, chunk=8, window=2, deadline=None, outlook=None) -> Session:
+    s = Session(Params(Policy.COST_AWARE, total, 0, chunk, window, deadline, outlook=outlook or ol()))
+    s.handle(Start(0.0))
+    return s
+
+
+def claims(actions):
+    return [a for a in actions if isinstance(a, Claim)]
+
+
+def finish(actions):
+    f = [a for a in actions if isinstance(a, Finish)]
+    return f[0] if f else None
+
+
+def run_to_end(s: Session, now: float, outlook=None) -> Finish | None:
+    """Complete every chunk in flight (successfully) until the session ends."""
+    out = None
+    while s.chunks and out is None:
+        c = min((c for c in s.chunks.values() if c.ok is None), key=lambda c: c.start)
+        out = finish(s.handle(ChunkDone(c.id, (True,) * c.count, now, outlook)))
+        now += 0.01
+    return out
+
+
+def test_machine_fast_l3_restores_everything_and_completes():
+    s = session()
+    a = s.handle(QueryDone(64, 0.0, ol()))
+    # the window; chunks grow past chunk_max until the 2 ms latency is 2 % of a read (25 blocks)
+    assert cost.chunk_size(ol(), 8) == 25
+    assert [c.count for c in claims(a)] == [25, 25]
+    f = run_to_end(s, 0.01, ol())
+    assert f == Finish(Status.COMPLETE, 64, "")
+
+
+def test_machine_slow_l3_on_an_idle_engine_reads_nothing():
+    s = session(outlook=ol(regime=SLOW))
+    a = s.handle(QueryDone(64, 0.0, ol(regime=SLOW)))
+    assert claims(a) == [] and finish(a) == Finish(Status.COST, 0, "cost")
+
+
+def test_machine_slow_l3_with_slack_reads_what_hides_behind_the_queue_then_stops():
+    s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
+    a = s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
+    assert [c.count for c in claims(a)] == [8, 3]  # 11 blocks land by the eta
+    assert not s.sealed  # they still pay: no stop while they are in flight (a later ETA may want more)
+    f = run_to_end(s, 0.1)
+    assert f == Finish(Status.COST, 11, "cost")
+
+
+@pytest.mark.parametrize("regime,sealed", [(FAST, False), (SLOW, True)])
+def test_machine_demand_replans_with_the_eta_at_now(regime, sealed):
+    s = session(chunk=8, outlook=ol(eta=1.0, regime=regime))
+    s.handle(QueryDone(64, 0.0, ol(eta=1.0, regime=regime)))
+    assert len(s.chunks) == 2
+    a = s.handle(Demand(0.05, ol(eta=0.05, regime=regime)))
+    assert not finish(a)
+    assert s.sealed is sealed
+    if sealed:  # restoring is dearer than prefill and the engine could start now: stop, withdraw
+        assert s.status == Status.COST and not s.keep_admitted
+    else:  # a demand is not a seal: every further chunk still lowers TTFT
+        assert s.state == State.RUNNING
+        assert run_to_end(s, 0.1, ol(eta=0.05, regime=regime)).status == Status.COMPLETE
+
+
+def test_machine_demand_without_an_outlook_is_a_caller_bug():
+    s = session()
+    with pytest.raises(IllegalEvent):
+        s.handle(Demand(0.0))
+
+
+def test_machine_replan_with_a_later_eta_claims_more():
+    s = session(chunk=8, outlook=ol(eta=0.0, regime=SLOW, probe_blocks=0), window=2)
+    s2 = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=ol(regime=SLOW)))
+    s2.handle(Start(0.0))
+    # still querying: a re-plan only updates the outlook; the answer then decides with it
+    assert s2.handle(Replan(0.0, ol(eta=0.5, regime=SLOW))) == []
+    a = s2.handle(QueryDone(64, 0.0))
+    assert sum(c.count for c in claims(a)) == 16 and not s2.sealed
+    del s
+
+
+def test_machine_replan_after_a_cost_stop_changes_nothing():
+    s = session(outlook=ol(eta=0.0, regime=SLOW))
+    s.handle(QueryDone(64, 0.0, ol(eta=0.0, regime=SLOW)))
+    assert s.sealed and s.state == State.TERMINAL
+    assert s.handle(Replan(0.01, ol(eta=9.0, regime=SLOW))) == []
+
+
+def test_machine_budget_is_a_cap_on_new_claims():
+    s = session(chunk=8, deadline=0.05)
+    s.handle(QueryDone(64, 0.0, ol()))
+    assert finish(s.handle(Tick(0.06))) is None and s.status == Status.TIMEOUT
+    f = run_to_end(s, 0.07, ol())
+    assert f.status == Status.TIMEOUT and f.prefix == 50  # only what was in flight at the deadline
+
+
+def test_machine_abort_wins():
+    s = session(chunk=8)
+    s.handle(QueryDone(64, 0.0, ol()))
+    s.handle(Abort(0.01))
+    assert run_to_end(s, 0.02).status == Status.ABORTED
+
+
+def test_machine_a_stop_regrets_at_most_one_chunk():
+    """Demand in the slow regime: what was already claimed is at most window chunks, and the
+    stop never claims after it."""
+    s = session(chunk=4, window=1, outlook=ol(eta=10.0, regime=SLOW))
+    s.handle(QueryDone(64, 0.0, ol(eta=10.0, regime=SLOW)))
+    in_flight = sum(c.count for c in s.chunks.values())
+    assert in_flight == 4
+    a = s.handle(Demand(0.01, ol(eta=0.01, regime=SLOW)))
+    assert claims(a) == [] and s.sealed
+
+
+# -- the estimator -------------------------------------------------------------------------------
+def test_estimator_learns_latency_and_bandwidth_from_mixed_sizes():
+    m = ReadCostModel(0.005, 0.01)
+    assert m.estimate() == ReadEstimate(0.005, 0.01, 0)  # the prior before any read
+    for k in [32, 8, 32, 4, 32, 16, 32, 32, 8]:
+        m.observe(k, 0.003 + k * 0.0005)
+    e = m.estimate()
+    assert e.latency_s == pytest.approx(0.003, rel=0.15) and e.s_per_block == pytest.approx(0.0005, rel=0.05)
+    assert m.error < 0.5
+
+
+def test_estimator_follows_a_four_times_bandwidth_drop_within_three_reads():
+    m = ReadCostModel(0.005, 0.01)
+    for _ in range(20):
+        m.observe(32, 0.002 + 32 * 0.001)
+    for _ in range(3):
+        m.observe(32, 0.002 + 32 * 0.004)
+    assert m.estimate().seconds(32) == pytest.approx(0.002 + 32 * 0.004, rel=0.15)
+
+
+def test_estimator_ignores_empty_and_negative_reads():
+    m = ReadCostModel(0.005, 0.01)
+    m.observe(0, 1.0)
+    m.observe(4, float("nan"))
+    assert m.samples == 0
+
+
+# -- the executor feeding it -------------------------------------------------------------------------
+def test_executor_cost_aware_fast_l3_completes():
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.001, 5)
+    c = b.chain("a", 12)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [12]  # one read: latency is 50 blocks' worth
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("complete", 12)
+    assert b.take("r", c) == 12 and b.books()["leases"] == 0
+
+
+def test_executor_cost_aware_slow_l3_demand_withdraws_queued_reads():
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.02, 5)
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    first, second = b.tier.reads
+    b.tier.start(first)
+    b.sm.op_demand(b.conn, {"req": "r"})
+    b.loop.settle()
+    assert second.job.state == "cancelled"  # dearer than prefill, nothing left to hide behind
+    b.tier.finish(first)
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"], p["reason"]) == ("cost", 4, "cost")
+    b.take("r", c)
+    assert b.books()["staging"] == 0 and b.books()["leases"] == 0
+
+
+def test_executor_poll_with_an_eta_replans_once_per_step():
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.02, 5)
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    assert terminal(b, "r")["status"] == "cost"  # slow and no slack: nothing to read
+    b2 = Bench(blocks=64, chunk_max_blocks=4)
+    b2.tier.estimate = ReadEstimate(0.001, 0.02, 5)
+    c2 = b2.chain("a", 40)
+    b2.prefetch("r", c2, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.1)
+    b2.tier.answer_lookups()
+    assert sum(len(r.keys) for r in b2.tier.reads) // 16 == 4  # 4 land by 0.1 s (0.081 s)
+    b2.loop.advance(0.081)  # the read takes its time: then nothing more lands before the ETA
+    b2.tier.run_all()
+    assert terminal(b2, "r")["prefix"] == 4
+    # a poll moving the ETA later re-plans: more hides behind the queue
+    b3 = Bench(blocks=64, chunk_max_blocks=4)
+    b3.tier.estimate = ReadEstimate(0.001, 0.02, 5)
+    c3 = b3.chain("a", 40)
+    b3.prefetch("r", c3, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.1)
+    b3.tier.answer_lookups()
+    b3.sm.op_poll(b3.conn, {"req": "r", "step": 1, "eta_s": 1.0})
+    b3.loop.settle()
+    assert sum(len(r.keys) for r in b3.tier.reads) // 16 == 8  # a second chunk (the window)
+    del c
+
+
+def test_executor_probe_when_l3_was_never_measured():
+    b = Bench(blocks=64, chunk_max_blocks=8, probe_blocks=2)
+    b.tier.estimate = ReadEstimate(0.005, 0.05, 0)  # the prior: slow, no evidence
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [2]
+    b.tier.run_all()
+    assert terminal(b, "r")["prefix"] == 2
+
+
+def test_eta_and_prefill_cost_are_validated_on_the_wire():
+    def frame(**m):
+        return encode({"v": PROTOCOL_VERSION, "id": 1, **m})
+
+    with pytest.raises(ProtocolError) as e:
+        decode_request(frame(op="prefetch", req="r", chain=b"k" * 16, eta_s=-1.0))
+    assert e.value.code == ErrorCode.BAD_FIELD
+    with pytest.raises(ProtocolError) as e:
+        decode_request(frame(op="poll", req="r", eta_s="soon"))
+    assert e.value.code == ErrorCode.MALFORMED
+    assert decode_request(frame(op="poll", req="r", eta_s=0.25))["eta_s"] == 0.25
+
+
+# -- every trigger x estimate regime -------------------------------------------------------------
+REGIMES = {
+    "fast": dict(eta=0.0, regime=FAST),
+    "slow_idle": dict(eta=0.0, regime=SLOW),
+    "slow_slack": dict(eta=0.2, regime=SLOW),
+    "unknown_prefill": dict(eta=0.2, regime=FAST, prefill_s_per_block=0.0),
+    "no_evidence": dict(eta=0.0, regime=SLOW, probe_blocks=4),
+}
+TRIGGERS = ("chunk_done", "demand", "replan_later", "tick", "abort")
+EXPECT = {  # (regime, trigger) -> final status; unlisted: the regime's default
+    ("fast", "tick"): Status.TIMEOUT, ("fast", "abort"): Status.ABORTED,
+    ("slow_slack", "tick"): Status.TIMEOUT, ("slow_slack", "abort"): Status.ABORTED,
+    ("no_evidence", "abort"): Status.ABORTED, ("no_evidence", "tick"): Status.TIMEOUT,
+}
+DEFAULT = {"fast": Status.COMPLETE, "slow_idle": Status.COST, "slow_slack": Status.COST,
+           "unknown_prefill": Status.COST, "no_evidence": Status.COST}
+
+
+def _outlook(spec, **over):
+    kw = dict(spec)
+    regime = kw.pop("regime")
+    kw.update(over)
+    return Outlook(eta=kw.pop("eta"), prefill_s_per_block=kw.pop("prefill_s_per_block", PREFILL),
+                   **{**regime, **kw})
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("trigger", TRIGGERS)
+def test_every_trigger_in_every_estimate_regime(regime, trigger):
+    spec = REGIMES[regime]
+    o = _outlook(spec)
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, 0.005 if trigger == "tick" else None, outlook=o))
+    out = s.handle(Start(0.0)) + s.handle(QueryDone(64, 0.0, o))
+    claimed = sum(c.count for c in claims(out))
+    if regime == "slow_idle":
+        assert claimed == 0 and s.state == State.TERMINAL  # nothing is worth reading
+    elif regime == "no_evidence":
+        assert claimed == 4  # one probe, nothing else until it has measured L3
+    elif regime in ("slow_slack",):
+        assert claimed == 11  # what lands by the ETA
+    elif regime == "unknown_prefill":
+        assert claimed == 0  # nothing to save: restoring only costs
+    now = 0.01
+    if trigger == "chunk_done" and s.chunks:
+        c = min(s.chunks.values(), key=lambda c: c.start)
+        out += s.handle(ChunkDone(c.id, (True,) * c.count, now, o))
+    elif trigger == "demand":
+        out += s.handle(Demand(now, _outlook(spec, eta=now)))
+    elif trigger == "replan_later":
+        out += s.handle(Replan(now, _outlook(spec, eta=spec["eta"] + 1.0)))
+    elif trigger == "tick":
+        out += s.handle(Tick(now))
+    else:
+        out += s.handle(Abort(now))
+    while s.state != State.TERMINAL:  # complete whatever is in flight, in chain order
+        c = min((c for c in s.chunks.values() if c.ok is None), key=lambda c: c.start)
+        now += 0.05
+        out += s.handle(ChunkDone(c.id, (True,) * c.count, now, o))
+    fins = [a for a in out if isinstance(a, Finish)]
+    assert len(fins) == 1 and fins[0].prefix <= s.published
+    assert fins[0].status == EXPECT.get((regime, trigger), DEFAULT[regime]), (fins[0], s.published)
+    if regime == "slow_slack" and trigger == "replan_later":
+        assert s.published > 11  # a later ETA hides more behind the queue
+    if regime == "slow_slack" and trigger == "demand":
+        assert s.published <= 11 and not s.keep_admitted  # the engine could start now: nothing more
+    assert not s.chunks and s.in_flight == 0
+
+
+def test_a_candidate_whose_restore_cannot_pay_ends_while_querying():
+    """Demand during the L3 query with an L3 dearer than prefill: the session ends at once
+    (cost), claims nothing, and the late answer is ignored."""
+    s = Session(Params(Policy.COST_AWARE, 64, 30, 8, 2, None, outlook=ol(eta=1.0, regime=SLOW)))
+    s.handle(Start(0.0))
+    assert s.state == State.QUERYING
+    acts = s.handle(Demand(0.001, ol(eta=0.001, regime=SLOW)))
+    assert s.state == State.TERMINAL and s.status == Status.COST and not claims(acts)
+    fin = [a for a in acts if isinstance(a, Finish)]
+    assert fin and fin[0].prefix == 30  # the resident prefix is the result
+    assert s.handle(QueryDone(34, 0.01, ol(regime=SLOW))) == []
+
+
+def test_a_queued_request_keeps_querying_when_its_eta_leaves_room():
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=ol(eta=1.0, regime=SLOW)))
+    s.handle(Start(0.0))
+    assert s.handle(Replan(0.001, ol(eta=0.5, regime=SLOW))) == [] and s.state == State.QUERYING
+    acts = s.handle(QueryDone(64, 0.002, ol(eta=0.5, regime=SLOW)))
+    assert claims(acts)  # restores in the queue's shadow
+
+
+def test_the_policy_plans_with_the_read_cost_inflated_by_the_estimators_error():
+    from kvsidecar.sidecar.prefetch.estimates import pessimistic
+
+    class T:
+        cost = ReadCostModel(0.002, 0.004)
+
+    assert pessimistic(0.004, T) == 0.004  # no prediction made yet: the estimate as it is
+    for blocks, seconds in ((8, 0.034), (8, 0.050), (8, 0.020)):  # noisy reads
+        T.cost.observe(blocks, seconds)
+    err = T.cost.error
+    assert 0 < err and pessimistic(0.004, T) == pytest.approx(0.004 * (1 + min(1.0, err)))
+    T.cost._err_num, T.cost._err_den = 5.0, 1.0  # a wild estimator: capped at twice the estimate
+    assert pessimistic(0.004, T) == pytest.approx(0.008)
+    # a large error (here 2x: 11 ms) turns "restore at an idle engine" into "recompute"
+    o = ol(l3_s_per_block=0.0055)  # 5.5 ms to read vs 10 ms saved per block: restore
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) > 0
+    o = ol(l3_s_per_block=pessimistic(0.0055, T))
+    assert cost.next_claim(o, 0.0, 100, 32, 0.0, False) == 0
+
+
+def test_a_dear_l3_plans_a_queued_request_behind_every_queued_read():
+    """L3 dearer than prefill: a queued request's restore pays only if it lands before its
+    prefill, and younger sessions' reads may not overtake it but older ones' next chunks and new
+    candidates will: its outlook counts the whole queue; a cheap L3 counts only what runs first."""
+    from types import SimpleNamespace
+
+    from kvsidecar.sidecar.l3.tier import ReadOutlook
+    from kvsidecar.sidecar.prefetch.estimates import outlook
+
+    class FakeTier:
+        cost = ReadCostModel(0.002, 0.004)
+
+        def __init__(self, s_per_block):
+            self.s = s_per_block
+
+        def read_outlook(self, priority):
+            est = ReadEstimate(0.002, self.s, 5)
+            return ReadOutlook(est, 0.05 if priority < (1 << 50) else 0.40)  # ahead of it vs all queued
+
+    cfg = SimpleNamespace(load_s_per_block=0.0, probe_blocks=4)
+    rec = SimpleNamespace(policy="cost_aware", eta=1.0, prefill_s_per_block=PREFILL, demanded=False, id=7)
+    assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.40  # dear: behind everything queued
+    assert outlook(rec, 0.0, FakeTier(0.004), cfg).backlog_s == 0.05  # cheap: what runs before it
+    rec.demanded = True  # a candidate's reads go first: only what is ahead of it counts
+    assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.05
