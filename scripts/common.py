@@ -40,10 +40,10 @@ def wait_puts_done(conn, timeout_s: float = 120.0) -> dict:
         time.sleep(0.02)
 
 
-def write_json(path, result, indent: int = 2) -> None:
+def write_json(path, result, indent: int = 2, default=None) -> None:
     """The tail of every benchmark's main(): ``result`` as sorted JSON at ``path`` (its folder
-    made), and one line saying where."""
+    made), and one line saying where (``default``: as ``json.dumps``' for values it cannot encode)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(result, indent=indent, sort_keys=True))
+    p.write_text(json.dumps(result, indent=indent, sort_keys=True, default=default))
     print(f"\nJSON written to {path}")

@@ -32,6 +32,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from scripts.common import write_json
+
 LINE = re.compile(r"kvsidecar-timeline (\{.*\})")
 INNER = ("prefetch", "query_wait", "get_wait", "get", "verify", "copy", "release", "demand", "check_progress", "end")
 
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
         for kind, b in sorted(kinds.items()):
             print(f"{key:18s} {kind:10s} " + " ".join(f"{b.get(c, 0):10.1f}" for c in cols))
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        write_json(a.out, res, indent=1)
     return 0
 
 

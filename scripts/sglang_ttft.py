@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -39,6 +38,7 @@ import time
 from pathlib import Path
 
 from scripts.trials import aggregate, fmt
+from scripts.common import write_json
 
 log = logging.getLogger("sglang_ttft")
 
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
            "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests}
     for row in doc["rows"]:
         row["verdict"] = verdicts(row)
-    Path(a.json).write_text(json.dumps(doc, indent=1))
+    write_json(a.json, doc, indent=1)
     print_table(doc)
     return 0
 

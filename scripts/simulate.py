@@ -33,26 +33,23 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 from scripts import trials as trials_mod
 from scripts import ttft_bounds
 from scripts.sim_ranks import (RankPool, bad_pages, fill_page, fill_pages, make_layout, page_ok,  # noqa: F401
                                rank_main, request_stream, stream_of)
 from scripts.sim_virtual import ARMS
+from scripts.common import percentile, write_json
 
 STEP_S = 0.002  # one scheduler loop iteration while nothing is ready
 
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+_pct = percentile  # (the nearest-rank quantile every benchmark shares: scripts.common)
 
 
 def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
@@ -353,8 +350,7 @@ def main(argv=None) -> int:
             print(f"  {arm:<20} p50 {trials_mod.fmt(a['ttft_p50_ms'], 0):>20}  p90 {trials_mod.fmt(a['ttft_p90_ms'], 0):>20}"
                   f"  corrupt {trials_mod.fmt(a['corrupt'], 0)}  ranks agree {a['ranks_agree']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True))
-        print(f"\nJSON written to {args.json}")
+        write_json(args.json, out)
     return 0
 
 

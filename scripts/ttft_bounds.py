@@ -19,6 +19,8 @@ import collections
 import hashlib
 import statistics
 
+from scripts.common import percentile
+
 PHASES = ("enter", "queue", "prefetch", "get", "load", "prefill")
 
 
@@ -137,9 +139,7 @@ def per_request_bounds(keyed: list, rates: dict, pool_blocks: int, key_bytes: in
     return out
 
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+_pct = percentile  # (scripts.common)
 
 
 def summary(ms: list) -> dict:

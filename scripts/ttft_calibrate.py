@@ -21,6 +21,7 @@ from pathlib import Path
 from scripts import sim_virtual as sv
 from scripts import simulate, trials as trials_mod, ttft_bounds
 from scripts.ttft_table import (COMPUTE_MS_PER_KTOK, N_PREFIXES, POOL_BLOCKS, PREFIX_TOKENS, TABLE_ARMS)
+from scripts.common import write_json
 
 TOLERANCE = 0.10
 
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     print(f"\nrows predicted within {TOLERANCE:.0%} on every arm: {ok} of {len(rows)}; "
           f"virtual/real p50 median {statistics.median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}]")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+        write_json(args.json, {"rows": rows}, indent=1)
     return 0
 
 

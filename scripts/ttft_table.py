@@ -17,14 +17,13 @@ measured serial bound, on every row.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 from scripts import simulate, trials as trials_mod
+from scripts.common import write_json
 
 PREFIX_TOKENS = 2048
 COMPUTE_MS_PER_KTOK = 50.0
@@ -159,8 +158,7 @@ def main(args) -> int:
     out = run_table(args.requests or 48, max(1, args.trials), only, l3=args.l3)
     print_summary(out)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True, default=str))
-        print(f"\nJSON written to {args.json}")
+        write_json(args.json, out, indent=1, default=str)
     if args.plot:
         from scripts import ttft_plot
 
