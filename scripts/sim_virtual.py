@@ -42,6 +42,8 @@ from kvsidecar.sidecar.prefetch.sessions import SessionManager
 from kvsidecar.sidecar.runtime.clients import ClientInfo
 from kvsidecar.sidecar.service import OpError
 
+from scripts import ttft_bounds
+
 ARMS = {
     "no_prefetch": None,
     "whole_task": dict(policy="wait_complete"),
@@ -431,41 +433,18 @@ def bounds(p: SimParams) -> dict:
 
 
 def bounds_for(stream: list, p: SimParams) -> dict:
-    """Per-request TTFTs of the serial bound and the overlap oracle on ``stream``
-    (``[(arrival_s, req, chain)]``), with ``p``'s costs.
-
-    Both replay the stream on one FIFO engine with the same pool (an LRU of ``pool_blocks``
-    blocks filled by every prefill): pool hits cost only their copy; the rest costs, for the
-    best restore length k, ``transfer(k) + compute(rest - k)`` (serial) or
-    ``max(transfer(k), compute(rest - k))`` (oracle: needs compute/load overlap; report only).
-    """
+    """Per-request TTFTs (seconds, stream order) of the serial bound and the overlap oracle on
+    ``stream`` (``[(arrival_s, req, chain)]``) with ``p``'s costs, by the one replay every bound
+    uses (:func:`scripts.ttft_bounds.replay_bounds`; its L3 slows by ``bandwidth_drop`` from the
+    arrival at ``bandwidth_drop_at`` of the stream on)."""
     longest = max(len(c) // KEY for _, _, c in stream)
-    cap = p.pool_blocks or 6 * longest
     drop_at = stream[int(len(stream) * p.bandwidth_drop_at)][0] if p.bandwidth_drop_at is not None else None
-    out = {}
-    for kind in ("serial", "oracle"):
-        pool: collections.OrderedDict = collections.OrderedDict()
-        free_at, ttfts = 0.0, []
-        for arrival, _, chain in stream:
-            keys = [chain[i:i + KEY] for i in range(0, len(chain), KEY)]
-            h = 0
-            while h < len(keys) and keys[h] in pool:
-                h += 1
-            rest = len(keys) - h
-            start = max(arrival, free_at)
-            per_block = p.l3_s_per_block * (p.bandwidth_drop if drop_at is not None and start >= drop_at else 1.0)
-            best = float("inf")
-            for k in range(rest + 1):
-                transfer = (p.l3_latency_s + k * per_block) if k else 0.0
-                compute = (rest - k) * p.compute_s_per_block + k * p.copy_s_per_block
-                best = min(best, transfer + compute if kind == "serial" else max(transfer, compute))
-            service = h * p.copy_s_per_block + best
-            free_at = start + service
-            ttfts.append(free_at - arrival)
-            for key in keys:
-                pool[key] = True
-                pool.move_to_end(key)
-            while len(pool) > cap:
-                pool.popitem(last=False)
-        out[kind] = ttfts
-    return out
+    per_block = p.l3_s_per_block
+
+    def s_per_block_at(start: float) -> float:
+        return per_block * (p.bandwidth_drop if drop_at is not None and start >= drop_at else 1.0)
+
+    rows = ttft_bounds.replay_bounds(stream, latency_s=p.l3_latency_s, s_per_block_at=s_per_block_at,
+                                     compute_s_per_block=p.compute_s_per_block, copy_s_per_block=p.copy_s_per_block,
+                                     pool_blocks=p.pool_blocks or 6 * longest, key_bytes=KEY)
+    return {kind: [r[kind] for r in rows] for kind in ("serial", "oracle")}

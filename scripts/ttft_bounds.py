@@ -101,42 +101,62 @@ def measured_rates(arms: dict, layout, *, nominal_l3_s_per_block: float, nominal
                         "ratio": nominal_l3_s_per_block / nominal_compute_s_per_block}}
 
 
-def per_request_bounds(keyed: list, rates: dict, pool_blocks: int, key_bytes: int = 16) -> dict:
-    """rid -> {serial, oracle, queue, transfer, copy, compute, k, hits} (ms) on one FIFO engine."""
-    lat, l3 = rates["l3_latency_s"], rates["l3_s_per_block"]
-    c, cp = rates["compute_s_per_block"], rates["copy_s_per_block"]
-    out: dict = {}
+def replay_bounds(stream: list, *, latency_s: float, s_per_block_at, compute_s_per_block: float,
+                  copy_s_per_block: float, pool_blocks: int, key_bytes: int = 16) -> list:
+    """The one replay behind every bound (this benchmark's and the virtual simulator's):
+    ``stream`` (``[(arrival_s, rid, chain)]``) on one FIFO engine with an LRU pool of
+    ``pool_blocks`` blocks filled by every prefill.  Per request, in stream order, a dict with
+    ``serial`` and ``oracle`` (TTFT, seconds) and the serial bound's parts (seconds: ``queue``,
+    ``transfer``, ``copy``, ``compute``; ``k`` blocks restored, ``hits`` pool hits, ``blocks``).
+
+    Pool hits cost only their copy; the rest costs, for the best restore length k,
+    ``transfer(k) + compute(rest - k) + copy(k)`` (serial) or ``max(transfer(k), compute(rest -
+    k) + copy(k))`` (oracle: needs compute/load overlap; report only), with ``transfer(k) =
+    latency + k x s_per_block_at(start)`` (``start``: when the engine takes the request up)."""
+    c, cp = compute_s_per_block, copy_s_per_block
+    rows = [dict() for _ in stream]
     for kind in ("serial", "oracle"):
         pool: collections.OrderedDict = collections.OrderedDict()
         free_at = 0.0
-        for arrival, rid, chain in keyed:
+        for (arrival, _, chain), row in zip(stream, rows):
             keys = [chain[i:i + key_bytes] for i in range(0, len(chain), key_bytes)]
             h = 0
             while h < len(keys) and keys[h] in pool:
                 h += 1
             rest = len(keys) - h
             start = max(arrival, free_at)
+            per_block = s_per_block_at(start)
             best, parts = float("inf"), None
             for k in range(rest + 1):
-                transfer = (lat + k * l3) if k else 0.0
-                compute = (rest - k) * c
-                copy = (h + k) * cp
-                v = (transfer + compute if kind == "serial" else max(transfer, compute)) + copy
+                transfer = (latency_s + k * per_block) if k else 0.0
+                compute = (rest - k) * c + k * cp
+                v = transfer + compute if kind == "serial" else max(transfer, compute)
                 if v < best:
-                    best, parts = v, (k, transfer, copy, compute)
-            free_at = start + best
-            b = out.setdefault(rid, {})
-            b[kind] = (free_at - arrival) * 1e3
+                    best, parts = v, (k, transfer, compute)
+            free_at = start + (h * cp + best)
+            row[kind] = free_at - arrival
             if kind == "serial":
-                k, transfer, copy, compute = parts
-                b.update(queue=(start - arrival) * 1e3, transfer=transfer * 1e3, copy=copy * 1e3,
-                         compute=compute * 1e3, k=k, hits=h, blocks=len(keys))
+                k, transfer, compute = parts
+                row.update(queue=start - arrival, transfer=transfer, copy=(h + k) * cp,
+                           compute=compute - k * cp, k=k, hits=h, blocks=len(keys))
             for key in keys:
                 pool[key] = True
                 pool.move_to_end(key)
             while len(pool) > pool_blocks:
                 pool.popitem(last=False)
-    return out
+    return rows
+
+
+def per_request_bounds(keyed: list, rates: dict, pool_blocks: int, key_bytes: int = 16) -> dict:
+    """rid -> {serial, oracle, queue, transfer, copy, compute (ms), k, hits, blocks} with this
+    run's measured rates (:func:`replay_bounds`)."""
+    l3 = rates["l3_s_per_block"]
+    rows = replay_bounds(keyed, latency_s=rates["l3_latency_s"], s_per_block_at=lambda start: l3,
+                         compute_s_per_block=rates["compute_s_per_block"],
+                         copy_s_per_block=rates["copy_s_per_block"], pool_blocks=pool_blocks, key_bytes=key_bytes)
+    ms = ("serial", "oracle", "queue", "transfer", "copy", "compute")
+    return {rid: {k: (v * 1e3 if k in ms else v) for k, v in row.items()}
+            for (_, rid, _), row in zip(keyed, rows)}
 
 
 _pct = percentile  # (scripts.common)
