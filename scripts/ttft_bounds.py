@@ -24,26 +24,43 @@ from scripts.common import percentile
 PHASES = ("enter", "queue", "prefetch", "get", "load", "prefill")
 
 
+class LruPool:
+    """The engine-side pool every bound replays: an LRU of ``capacity`` block keys, filled by
+    every prefill (a request's blocks become the most recent, oldest evicted first)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._keys: collections.OrderedDict = collections.OrderedDict()
+
+    def hits(self, keys: list) -> int:
+        """The leading keys the pool holds (a prefix: the chain stops at the first miss)."""
+        h = 0
+        while h < len(keys) and keys[h] in self._keys:
+            h += 1
+        return h
+
+    def fill(self, keys: list) -> None:
+        for key in keys:
+            self._keys[key] = True
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+
 def no_prefetch_service_s(prompts: list, tokens_per_block: int, compute_ms_per_ktok: float, pool_blocks: int) -> list:
     """Per prompt, what an engine that never reads L3 spends on it: the prefill of what an LRU
     pool of ``pool_blocks`` blocks (filled by every prefill) does not hold."""
     T = tokens_per_block
-    pool: collections.OrderedDict = collections.OrderedDict()
+    pool = LruPool(pool_blocks)
     out = []
     for toks in prompts:
         keys, h = [], b""
         for j in range(len(toks) // T):
             h = hashlib.blake2b(h + repr(toks[j * T:(j + 1) * T]).encode(), digest_size=16).digest()
             keys.append(h)
-        hit = 0
-        while hit < len(keys) and keys[hit] in pool:
-            hit += 1
+        hit = pool.hits(keys)
         out.append((len(toks) - hit * T) * compute_ms_per_ktok / 1024 / 1e3)
-        for k in keys:
-            pool[k] = True
-            pool.move_to_end(k)
-        while len(pool) > pool_blocks:
-            pool.popitem(last=False)
+        pool.fill(keys)
     return out
 
 
@@ -116,13 +133,11 @@ def replay_bounds(stream: list, *, latency_s: float, s_per_block_at, compute_s_p
     c, cp = compute_s_per_block, copy_s_per_block
     rows = [dict() for _ in stream]
     for kind in ("serial", "oracle"):
-        pool: collections.OrderedDict = collections.OrderedDict()
+        pool = LruPool(pool_blocks)
         free_at = 0.0
         for (arrival, _, chain), row in zip(stream, rows):
             keys = [chain[i:i + key_bytes] for i in range(0, len(chain), key_bytes)]
-            h = 0
-            while h < len(keys) and keys[h] in pool:
-                h += 1
+            h = pool.hits(keys)
             rest = len(keys) - h
             start = max(arrival, free_at)
             per_block = s_per_block_at(start)
@@ -139,11 +154,7 @@ def replay_bounds(stream: list, *, latency_s: float, s_per_block_at, compute_s_p
                 k, transfer, compute = parts
                 row.update(queue=start - arrival, transfer=transfer, copy=(h + k) * cp,
                            compute=compute - k * cp, k=k, hits=h, blocks=len(keys))
-            for key in keys:
-                pool[key] = True
-                pool.move_to_end(key)
-            while len(pool) > pool_blocks:
-                pool.popitem(last=False)
+            pool.fill(keys)
     return rows
 
 
