@@ -30,7 +30,7 @@ from kvsidecar.shm.errors import ErrorCode
 
 from kvsidecar.shm.chain import length as chain_len
 from kvsidecar.sidecar.kv.ops import KVCore
-from kvsidecar.sidecar.l3.tier import L3Tier, read_priority
+from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
 from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
@@ -44,7 +44,7 @@ from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Demand, Finish
 
 
 class SessionManager(Service):
-    def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic,
+    def __init__(self, core: KVCore, tier: SessionTier | None, cfg, clock=time.monotonic,
                  observer: SessionObserver | None = None):
         self.clock = clock  # injected: the executor bench drives a fake clock
         # told of every terminal session (default: the structured log line, kvsidecar.sidecar.observe)
