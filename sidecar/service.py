@@ -37,8 +37,8 @@ class OpError(Exception):
 
 class Host(Protocol):
     """The control loop as a service sees it: what a service may use of
-    :class:`~kvsidecar.sidecar.runtime.loop.ControlLoop` (which implements it; so do the
-    simulators' virtual loops and the executor bench's fake loop).  Services hold it as
+    :class:`~kvsidecar.sidecar.runtime.loop.ControlLoop`, which implements it (the simulators'
+    virtual loops and the executor bench's fake loop stand in for it).  Services hold it as
     ``self.host``; only the composition root (``kvsidecar.sidecar.app.SidecarApp``, the process)
     holds the loop itself."""
 
