@@ -6,8 +6,9 @@ L3 read-cost estimator — the code the sidecar runs, driven through its op hand
 the control thread drives them.  What is simulated, on one virtual clock: the engine (an SPMD
 scheduler shared by its TP ranks, one prefill at a time, ``compute_s_per_block``), the L3 tier
 (one metadata lane, one serial read lane: ``latency + blocks x s_per_block``, the bandwidth may
-drop mid-run), and block contents (a block "holds" the key written into it; every GET is checked
-against the chain, so a block handed out before its data landed, or another key's, is *corrupt*).
+drop mid-run: ``scripts.fake_tier.VirtualL3``, held to the real tier's contract by
+``tests/unit/sidecar/l3/test_tier_contract.py``), and block contents (a block "holds" the key
+written into it; every GET is checked against the chain, so a block handed out before its data landed, or another key's, is *corrupt*).
 
 The scheduler is SPMD like a real engine: one decision per step, replayed to every rank
 (each rank sends the same ``poll`` / ``get`` with the same ``step``; the sidecar's group
@@ -36,11 +37,10 @@ from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
 from kvsidecar.sidecar.kv.index import KEY, unpack_ids
 from kvsidecar.sidecar.kv.ops import KVCore
-from kvsidecar.sidecar.l3.cost_model import ReadCostModel
-from kvsidecar.sidecar.l3.tier import ReadOutlook, ReadResult
 from kvsidecar.sidecar.prefetch.sessions import SessionManager
 from kvsidecar.sidecar.runtime.clients import ClientInfo
 from kvsidecar.sidecar.service import OpError
+from scripts.fake_tier import VirtualL3
 
 from scripts import ttft_bounds
 
@@ -153,92 +153,6 @@ class VirtualLoop:
         fn(*args)
         self.run_posted()
         return True
-
-
-class _Read:
-    __slots__ = ("keys", "blocks", "done", "priority", "seq", "state", "n", "lane")
-
-    def __init__(self, keys, blocks, done, priority, seq, lane):
-        self.keys, self.blocks, self.done, self.priority, self.seq, self.lane = keys, blocks, done, priority, seq, lane
-        self.state = "queued"
-        self.n = len(keys) // KEY
-
-    def cancel(self) -> bool:
-        if self.state != "queued":
-            return False
-        self.state = "cancelled"
-        return True
-
-    def raise_priority(self, priority: int) -> None:
-        if self.state == "queued" and priority < self.priority:
-            self.priority = priority
-            heapq.heappush(self.lane._queue, (priority, next(self.lane._seq), self))
-
-
-class VirtualL3:
-    """The L3Tier interface the executor uses, on the virtual clock, with a real cost estimator."""
-
-    def __init__(self, loop: VirtualLoop, holds: set, contents: dict, source: dict, p: SimParams,
-                 drop_at_s: float | None):
-        self.loop, self.holds, self.contents, self.source, self.p = loop, holds, contents, source, p
-        self.drop_at_s = drop_at_s
-        self.cost = ReadCostModel(0.005, 0.020)  # a conservative prior (slower than every regime here)
-        self._queue: list = []
-        self._seq = itertools.count()
-        self.busy: _Read | None = None
-        self.busy_until = 0.0
-        self.blocks_read = 0
-        self.reads = 0
-        self.read_s_per_block: float | None = None
-        self.estimates: list = []  # (t, true s/block, estimated s/block) after each read
-
-    def true_s_per_block(self, t: float) -> float:
-        s = self.p.l3_s_per_block
-        return s * self.p.bandwidth_drop if self.drop_at_s is not None and t >= self.drop_at_s else s
-
-    def lookup(self, ns, chain, done):
-        hits = 0
-        while hits < len(chain) // KEY and chain[hits * KEY:(hits + 1) * KEY] in self.holds:
-            hits += 1
-        self.loop.call_at(self.loop.t + self.p.meta_latency_s, done, hits)
-
-    def load(self, ns, keys, blocks, done, priority=1):
-        r = _Read(keys, blocks, done, priority, next(self._seq), self)
-        heapq.heappush(self._queue, (priority, r.seq, r))
-        self._kick()
-        return r
-
-    def _kick(self) -> None:
-        while self.busy is None and self._queue:
-            _, _, r = heapq.heappop(self._queue)
-            if r.state != "queued":
-                continue
-            r.state = "started"
-            seconds = self.p.l3_latency_s + r.n * self.true_s_per_block(self.loop.t)
-            self.busy, self.busy_until = r, self.loop.t + seconds
-            self.loop.call_at(self.busy_until, self._finish, r, seconds)
-
-    def _finish(self, r: _Read, seconds: float) -> None:
-        self.busy = None
-        for i, b in enumerate(unpack_ids(r.blocks)):
-            self.contents[b] = r.keys[i * KEY:(i + 1) * KEY]  # the data lands
-            self.source[b] = "l3"
-        self.blocks_read += r.n
-        self.reads += 1
-        self.cost.observe(r.n, seconds)
-        self.read_s_per_block = seconds / r.n
-        self.estimates.append((self.loop.t, self.true_s_per_block(self.loop.t - seconds),
-                               self.cost.estimate().s_per_block))
-        self.loop.post(r.done, ReadResult([True] * r.n, seconds))
-        self._kick()
-
-    def read_outlook(self, priority=1) -> ReadOutlook:
-        est = self.cost.estimate()
-        backlog = max(0.0, self.busy_until - self.loop.t) if self.busy is not None else 0.0
-        for pr, _, r in self._queue:
-            if pr <= priority and r.state == "queued" and pr == r.priority:
-                backlog += est.seconds(r.n)
-        return ReadOutlook(est, backlog)
 
 
 class _Conn:
@@ -417,7 +331,7 @@ class Engine:
         return {"results": self.results, "corrupt": self.corrupt, "ranks_agree": self.disagreements == 0,
                 "books": books or "ok", "leases_left": len(self.core.leases.leases),
                 "staging_left": self.core.index.staged, "l3_blocks_read": self.l3.blocks_read,
-                "l3_reads": self.l3.reads, "estimator_error": self.l3.cost.error,
+                "l3_reads": self.l3.reads_done, "estimator_error": self.l3.cost.error,
                 "estimates": self.l3.estimates, "drop_at_s": self.drop_at_s,
                 "sessions": dict(self.sm.counters)}
 

@@ -38,7 +38,7 @@ from kvsidecar.sidecar.observe.metrics import MetricsError, MetricsService
 from kvsidecar.sidecar.observe.outcome import Observers
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.kv.pool_memory import StartupInterrupted, create_pool_segment, sidecar_populator
-from kvsidecar.sidecar.runtime.loop import Sidecar
+from kvsidecar.sidecar.runtime.loop import ControlLoop
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,14 @@ def _previous_generation(name: str) -> int:
 
 
 class SidecarApp:
-    """Owns the segments of one sidecar and the :class:`Sidecar` loop over them."""
+    """Owns the segments of one sidecar and the :class:`ControlLoop` over them (``loop``)."""
 
     def __init__(self, cfg: SidecarConfig, stop: threading.Event | None = None):
         """``stop``, when set during start-up, interrupts the pool allocation (StartupInterrupted)."""
         self.cfg = cfg
         self.t_start = time.monotonic()
         self.segments: list[Segment] = []
-        self.sidecar = None
+        self.loop = None
         self.master = None
         self.tier = None
         self.metrics = None
@@ -102,7 +102,7 @@ class SidecarApp:
             self.segments.append(self.pool_segment)
             self.ctl.set_pool_name(self.pool_segment.name)
             # a killed client is seen before its address space is torn down (kvsidecar.shm.deathword)
-            self.sidecar = Sidecar(cfg, self.ctl, layout=layout.as_dict(),
+            self.loop = ControlLoop(cfg, self.ctl, layout=layout.as_dict(),
                                    death_word_of=lambda key: self.ctl.slot_addr(key[0]) + DEATH_WORD_OFFSET)
             # The composition root: every edge between the services is a constructor argument
             # here.  The block state first (kv/), then what shares it (the L3 tier reads the
@@ -122,22 +122,22 @@ class SidecarApp:
                                       layout.block_bytes / (cfg.l3.cost_prior_mb_per_s * 1e6))
                 # L3 reads land through this process's mapping: populated after ready (_announce)
                 self.populator = sidecar_populator(cfg, self.pool_segment, l3_on=True)
-                self.tier = L3Tier(backend, self.sidecar.post, fingerprint=layout.fingerprint(),
+                self.tier = L3Tier(backend, self.loop.post, fingerprint=layout.fingerprint(),
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
                                    cost_model=prior, sums=kv.sums, read_lanes=cfg.l3.read_lanes,
                                    landing=self.populator)
-                l3ops = L3Ops(self.sidecar, kv, self.tier, cfg.l3.max_put_backlog_blocks)
-            self.core = KVCore(self.sidecar, layout, cfg.pool.num_blocks, cfg.limits, state=kv,
+                l3ops = L3Ops(self.loop, kv, self.tier, cfg.l3.max_put_backlog_blocks)
+            self.core = KVCore(self.loop, layout, cfg.pool.num_blocks, cfg.limits, state=kv,
                                after_publish=l3ops.write_behind if l3ops is not None else None)
             if cfg.metrics.enabled:  # off by default (kvsidecar.sidecar.observe.metrics)
-                self.metrics = MetricsService(self.sidecar, cfg.metrics, core=self.core, tier=self.tier,
+                self.metrics = MetricsService(self.loop, cfg.metrics, core=self.core, tier=self.tier,
                                               l3ops=l3ops, generation=self.generation)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
                                            observer=Observers(SessionLog(), self.metrics))
             # (the inspector's tables render from the loop's snapshot: kvsidecar.sidecar.observe.status)
             for service in (self.core, l3ops, self.sessions, self.metrics):
                 if service is not None:
-                    self.sidecar.mount(service)
+                    self.loop.mount(service)
             if self.tier is not None:
                 self.tier.start()
             if self.metrics is not None:
@@ -154,9 +154,9 @@ class SidecarApp:
         ``ready_fd`` is given, by a line written to that pipe (then closed)."""
         marker = self.ready_marker()
         marker.parent.mkdir(parents=True, exist_ok=True)
-        self.sidecar.call_at(0.0, self._announce, marker, ready_fd)
+        self.loop.call_at(0.0, self._announce, marker, ready_fd)
         try:
-            self.sidecar.run()
+            self.loop.run()
         finally:
             self.close()
 
@@ -185,15 +185,15 @@ class SidecarApp:
             self.populator.stop()  # within one chunk: never populate an address about to be unmapped
         if self.metrics is not None:
             self.metrics.stop()
-        if self.sidecar is not None:
+        if self.loop is not None:
             if self.tier is not None:
                 self.tier.stop()  # in-flight L3 calls finish; their completions run below
-                self.sidecar.run_pending_events()
-            broken = self.sidecar.check()
+                self.loop.run_pending_events()
+            broken = self.loop.check()
             if broken:
                 log.error("accounting invariants broken after draining L3: %s", broken)
                 self.exit_code = 3
-            self.sidecar.shutdown()
+            self.loop.shutdown()
         if self.master is not None:
             self.master.stop()
         try:
@@ -228,7 +228,7 @@ def _rss_summary() -> str:
         return "rss unknown"
 
 
-def build_backend(cfg: SidecarConfig, host: "SidecarApp"):
+def build_backend(cfg: SidecarConfig, app: "SidecarApp"):
     """The configured L3 backend (wrapped for shaping/faults when asked), or None."""
     from kvsidecar.sidecar.l3.filestore import FileStore
     from kvsidecar.sidecar.l3.shaped import ShapedBackend
@@ -245,8 +245,8 @@ def build_backend(cfg: SidecarConfig, host: "SidecarApp"):
 
         master = c.mooncake_master
         if c.spawn_local_master:
-            host.master = MooncakeMaster(log_path=native_log_path(cfg) if c.native_log == "file" else None)
-            master = host.master.address
+            app.master = MooncakeMaster(log_path=native_log_path(cfg) if c.native_log == "file" else None)
+            master = app.master.address
         if not master:
             raise L3Error("l3.backend = mooncake needs l3.mooncake_master or l3.spawn_local_master")
         backend = MooncakeBackend(master, protocol=c.mooncake_protocol,
@@ -326,24 +326,24 @@ def main(argv=None) -> int:
 
     def on_signal(signum, _frame):
         if started:
-            started[0].sidecar.request_stop()
+            started[0].loop.request_stop()
         else:
             stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        host = SidecarApp(cfg, stop=stop)
+        app = SidecarApp(cfg, stop=stop)
     except StartupInterrupted:
         log.info("sidecar %s: start-up interrupted by a signal; segments unlinked", cfg.instance)
         return 0
     except (L3Error, SegmentError, MetricsError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    started.append(host)
+    started.append(app)
     if stop.is_set():  # the signal came after the pool was made, before the handler could stop the loop
-        host.close()
+        app.close()
         log.info("sidecar %s: stopped during start-up; segments unlinked", cfg.instance)
         return 0
-    host.serve(args.ready_fd)
-    return host.exit_code
+    app.serve(args.ready_fd)
+    return app.exit_code

@@ -36,10 +36,14 @@ class OpError(Exception):
 
 
 class Host(Protocol):
-    """What a service may use of the control loop."""
+    """The control loop as a service sees it: what a service may use of
+    :class:`~kvsidecar.sidecar.runtime.loop.ControlLoop`, which implements it (the simulators'
+    virtual loops and the executor bench's fake loop stand in for it).  Services hold it as
+    ``self.host``; only the composition root (``kvsidecar.sidecar.app.SidecarApp``, the process)
+    holds the loop itself."""
 
     clients: dict  # slot -> ClientConn (read only)
-    counters: object  # collections.Counter of the sidecar's own counters
+    counters: object  # collections.Counter of the loop's and services' free-form counters
 
     def snapshot(self): ...  # the whole sidecar's SidecarSnapshot
 

@@ -35,13 +35,13 @@ def _question(msg: dict) -> bytes:
 
 
 class KVCore(Service):
-    def __init__(self, sidecar: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic,
+    def __init__(self, host: Host, layout: KVLayout, num_blocks: int, limits, clock=time.monotonic,
                  checksums: bool = True, *, state: KVState | None = None, after_publish=None):
         """``state``: the pool's block state (built here when not given; the composition root
         builds it first, as L3 shares it); ``after_publish(staging)``: what follows a published
         engine store (L3 write-behind; ``kvsidecar.sidecar.l3.ops``)."""
         self.clock = clock  # injected: the executor bench drives a fake clock
-        self.sidecar = sidecar
+        self.host = host
         self.layout = layout
         self.limits = limits
         if state is None:
@@ -165,14 +165,14 @@ class KVCore(Service):
         else:
             raise AssertionError(f"no stale answer for {op!r}")
         out["stale"] = True
-        self.sidecar.counters[f"decisions_{why}"] += 1
+        self.host.counters[f"decisions_{why}"] += 1
         log.info("%s %s replay for group %r rank %d: answered as a miss", why, op, conn.info.group, conn.info.rank)
         return out
 
     def arm_reaper(self, due) -> None:
         if due is not None and due < self._reaper_due:
             self._reaper_due = due
-            self.sidecar.call_at(due, self._reap)
+            self.host.call_at(due, self._reap)
 
     def _reap(self) -> None:
         now = self.clock()
@@ -195,14 +195,14 @@ class KVCore(Service):
         # so they go only with its last connection; this connection's plain leases go now.
         rank_stays = info.kv and any(c is not conn and c.info is not None and c.info.kv
                                      and c.info.group == info.group and c.info.rank == info.rank
-                                     for c in self.sidecar.clients.values())
+                                     for c in self.host.clients.values())
         self.leases.client_gone(owner, info.group, None if rank_stays else info.rank)
         if not rank_stays:
             self.staging.client_gone(info.group, info.rank)
             if info.kv:
                 self.departed.setdefault(info.group, set()).add(info.rank)
         if info.kv and not any(c is not conn and c.info is not None and c.info.kv and c.info.group == info.group
-                               for c in self.sidecar.clients.values()):
+                               for c in self.host.clients.values()):
             # the whole group left: shares and commits owed by ranks that never attached die with it
             self.leases.group_gone(info.group)
             self.staging.group_gone(info.group)
@@ -215,7 +215,7 @@ class KVCore(Service):
         def compute(grouped: bool) -> dict:
             chain = msg["chain"]
             hit = self.index.match(chain)
-            counters = self.sidecar.counters  # (once per group decision, like every ranked answer)
+            counters = self.host.counters  # (once per group decision, like every ranked answer)
             counters["lookup_requested_blocks"] += chain_len(chain)
             counters["lookup_hit_blocks"] += hit
             return {"hit": hit}
@@ -245,7 +245,7 @@ class KVCore(Service):
             return {"lease": lease.id, "blocks": blocks, "count": n}
 
         result = self.decided(conn, "get", msg, compute)
-        self.sidecar.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
+        self.host.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
         if self.sums is not None and result["count"]:  # this rank's column: its blocks are pinned
             result["sums"] = self.sums.column(result["blocks"], self.layout.shard_of(conn.info.rank))
         if msg.get("req") is not None:  # the request's prefetch result is no longer needed (its
@@ -297,7 +297,7 @@ class KVCore(Service):
         if self.sums is not None:
             sums = msg.get("sums")
             if sums is None or len(sums) != 8 * st.count:
-                self.sidecar.counters["commit_bad_checksums"] += 1
+                self.host.counters["commit_bad_checksums"] += 1
                 raise OpError(ErrorCode.BAD_FIELD, f"commit of staging {st.id} needs 'sums': 8 bytes per block "
                                                    f"({8 * st.count}), got {None if sums is None else len(sums)}")
             self.sums.record(st.blocks, self.layout.shard_of(conn.info.rank), sums)

@@ -30,7 +30,7 @@ class L3Ops(Service):
         self.max_put_backlog = max_put_backlog_blocks or max(kv.num_blocks // 4, 1)
         self.put_backlog = 0  # blocks pinned by PUTs in flight
         self.tier = tier
-        self.sidecar = host
+        self.host = host
         self.counters = host.counters
         self.puts_in_flight = 0
         self.loads_in_flight = 0
@@ -80,15 +80,15 @@ class L3Ops(Service):
         start = kv.index.match(chain)  # may have grown while L3 was queried
         end = queried_from + hits
         if end <= start:
-            self.sidecar.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
+            self.host.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
             return
         plan = kv.pool.prepare_stage(chain, start, end - start, "restore", prefix_ttl_s=float("inf"),
                                        owner=("load", rid), now=time.monotonic())
         if isinstance(plan, Refusal):
-            self.sidecar.reply(conn, rid, error=(plan.code, f"no staging room for the restore ({plan.message})"))
+            self.host.reply(conn, rid, error=(plan.code, f"no staging room for the restore ({plan.message})"))
             return
         if plan.count == 0:
-            self.sidecar.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
+            self.host.reply(conn, rid, {"restored": 0, "resident": start, "l3_hits": hits})
             return
         # no deadline: a block is never recycled while its read may be in flight
         st = kv.staging.open(plan, group="", writers=set(), ttl_s=None, now=time.monotonic(), ns=ns, source="l3")
@@ -99,7 +99,7 @@ class L3Ops(Service):
             self.loads_in_flight -= 1
             n = kv.staging.complete_load(st, result.ok)
             self.counters["l3_restored_blocks"] += n
-            self.sidecar.reply(conn, rid, {"restored": n, "resident": start + n, "l3_hits": hits,
+            self.host.reply(conn, rid, {"restored": n, "resident": start + n, "l3_hits": hits,
                                            "failed": count - n})
 
         self.tier.load(ns, st.chain, st.blocks, loaded)

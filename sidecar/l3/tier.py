@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import time
 
@@ -24,32 +23,17 @@ from kvsidecar.shm.chain import KEY_BYTES, count as id_count, keys as chain_keys
 from kvsidecar.sidecar.kv.checksums import ChecksumTable
 from kvsidecar.sidecar.kv.index import pack_ids, unpack_ids
 from kvsidecar.sidecar.l3.base import L3Backend
-from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
+from kvsidecar.sidecar.l3.cost_model import ReadCostModel
+from kvsidecar.sidecar.l3.interface import (DEMANDED, QUEUED, ReadOutlook, ReadResult,  # noqa: F401 (re-exported)
+                                           read_priority)
 from kvsidecar.sidecar.l3.workers import Job, Lane
 
 log = logging.getLogger(__name__)
 
 
-DEMANDED, QUEUED = 0, 1 << 40  # read priority classes (lower runs first)
-
-
-def read_priority(demanded: bool, order: int = 0) -> int:
-    """A read's lane priority: reads a scheduling candidate waits on run first; within a class,
-    lower ``order`` first — sessions pass their id, so the older request's chunks go ahead of a
-    younger one's (the engine admits in queue order; interleaving them would delay both)."""
-    return (DEMANDED if demanded else QUEUED) + order
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadOutlook:
-    """What a new read of some priority faces: the cost estimate and the lane work ahead of it."""
-
-    estimate: ReadEstimate
-    backlog_s: float  # expected seconds of reads that run before it
-
-
 class ReadHandle:
-    """A read on the lane; ``cancel()`` withdraws it if it has not started (control thread)."""
+    """A read on the lane (an :class:`~kvsidecar.sidecar.l3.interface.ReadJob`); ``cancel()``
+    withdraws it if it has not started (control thread)."""
 
     __slots__ = ("_lane", "_job")
 
@@ -64,19 +48,11 @@ class ReadHandle:
         self._lane.raise_priority(self._job, priority)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadResult:
-    """What one L3 read did: per-block success and how long the backend call took."""
-
-    ok: list
-    seconds: float
-
-    @property
-    def landed(self) -> int:
-        return sum(self.ok)
-
-
 class L3Tier:
+    """The real tier: worker lanes over a backend.  Its session-facing side (``lookup``, ``load``,
+    ``read_outlook`` and the estimates) is :class:`~kvsidecar.sidecar.l3.interface.SessionTier`;
+    ``store``, ``snapshot`` and the lifecycle are the composition root's and ``L3Ops``'."""
+
     def __init__(self, backend: L3Backend, post, *, fingerprint: bytes, pool_address: int, block_bytes: int,
                  cost_model: ReadCostModel | None = None, sums: ChecksumTable | None = None, read_lanes: int = 1,
                  landing=None):
@@ -99,6 +75,11 @@ class L3Tier:
         # conservative 5 ms + 10 MB/s until reads say otherwise (l3.cost_prior_* in the config)
         self.cost = cost_model or ReadCostModel(0.005, block_bytes / 10e6)
         self.query_s = 0.0  # EWMA of an existence query's latency, as a session sees it (0: none yet)
+
+    @property
+    def read_cost_error(self) -> float:
+        """The read-cost model's measured prediction error (SessionTier)."""
+        return self.cost.error
 
     def _landing_pause(self):
         landing = self.landing

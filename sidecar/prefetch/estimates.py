@@ -6,13 +6,13 @@ Pure functions of (record, tier, config) on the control thread; no state of thei
 
 from __future__ import annotations
 
-from kvsidecar.sidecar.l3.tier import read_priority
+from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
 from kvsidecar.sidecar.prefetch.cost import Outlook
 from kvsidecar.sidecar.prefetch.machine import Policy
 from kvsidecar.sidecar.prefetch.records import Record
 
 
-def outlook(rec: Record, now: float, tier, cfg) -> Outlook | None:
+def outlook(rec: Record, now: float, tier: SessionTier | None, cfg) -> Outlook | None:
     """cost_aware's inputs now: the engine's ETA and prefill cost, this L3's read cost and
     the read-lane backlog ahead of the session's next chunk (None for other policies)."""
     if rec.policy != Policy.COST_AWARE.value:
@@ -32,24 +32,24 @@ def outlook(rec: Record, now: float, tier, cfg) -> Outlook | None:
         # behind all of them, or a busy lane pushes the reads past the ETA and the request waits
         backlog = max(backlog, tier.read_outlook(ALL_QUEUED).backlog_s)
     return Outlook(eta, rec.prefill_s_per_block, est.latency_s, s_per_block,
-                   backlog, cfg.load_s_per_block, probe, getattr(tier, "query_s", 0.0) or 0.0)
+                   backlog, cfg.load_s_per_block, probe, tier.query_s)
 
 
 ALL_QUEUED = 1 << 62  # a read priority behind every queued read (see read_priority)
 
 
-def pessimistic(s_per_block: float, tier) -> float:
+def pessimistic(s_per_block: float, tier: SessionTier) -> float:
     """The per-block read cost the policy plans with: the estimate, inflated by the estimator's
     own measured prediction error (capped at 2x).  Where restoring and recomputing cost about
     the same, a noisy estimate would flip the decision read by read, and a read that runs slow
     costs TTFT while one that runs fast saves little: the margin makes cost_aware restore at an
     idle engine only when it pays clearly (restores hidden behind the queue are unaffected:
     they land before the prefill could start either way)."""
-    err = getattr(getattr(tier, "cost", None), "error", 0.0) or 0.0
+    err = tier.read_cost_error
     return s_per_block * (1.0 + min(1.0, max(0.0, err)))
 
 
-def drain_budget(rec: Record, tier, cfg) -> float:
+def drain_budget(rec: Record, tier: SessionTier | None, cfg) -> float:
     """How long a stopped session waits for its reads in flight.
 
     ``drain_floor_s + drain_slack x`` the expected time of the blocks still being read

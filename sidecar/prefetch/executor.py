@@ -26,7 +26,7 @@ from kvsidecar.shm.chain import key as chain_key, span as chain_span
 from kvsidecar.sidecar.kv.admission import PoolManager, Refusal
 from kvsidecar.sidecar.kv.chunks import ChunkPlan
 from kvsidecar.sidecar.kv.index import pack_ids
-from kvsidecar.sidecar.l3.tier import read_priority
+from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
 from kvsidecar.sidecar.prefetch.machine import (ChunkAbandoned, ChunkWithdrawn, Claim, ClaimShort, Drop, Finish,
                                                 Publish, Query, State)
 from kvsidecar.sidecar.prefetch.records import ChunkIO, Record
@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 
 
 class SessionExecutor:
-    def __init__(self, pool: PoolManager, tier, host: Host, clock, counters: collections.Counter, *,
+    def __init__(self, pool: PoolManager, tier: SessionTier | None, host: Host, clock, counters: collections.Counter, *,
                  query_done, chunk_done, finished, session_of):
-        """``query_done(sid, hits)``, ``chunk_done(sid, chunk, ok)``: events for a session (posted);
+        """``tier``: the L3 tier (its contract: ``kvsidecar.sidecar.l3.interface``), None without L3;
+        ``query_done(sid, hits)``, ``chunk_done(sid, chunk, ok)``: events for a session (posted);
         ``finished(rec, Finish)``: the session ended; ``session_of(sid)``: its record or None."""
         self.pool = pool
         self.tier = tier

@@ -30,7 +30,7 @@ from kvsidecar.shm.errors import ErrorCode
 
 from kvsidecar.shm.chain import length as chain_len
 from kvsidecar.sidecar.kv.ops import KVCore
-from kvsidecar.sidecar.l3.tier import L3Tier, read_priority
+from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
 from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
@@ -44,7 +44,7 @@ from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Demand, Finish
 
 
 class SessionManager(Service):
-    def __init__(self, core: KVCore, tier: L3Tier | None, cfg, clock=time.monotonic,
+    def __init__(self, core: KVCore, tier: SessionTier | None, cfg, clock=time.monotonic,
                  observer: SessionObserver | None = None):
         self.clock = clock  # injected: the executor bench drives a fake clock
         # told of every terminal session (default: the structured log line, kvsidecar.sidecar.observe)
@@ -53,14 +53,14 @@ class SessionManager(Service):
         self.pool = core.pool  # owns every session's block state (and counts it in the books)
         self.tier = tier
         self.cfg = cfg
-        self.sidecar = core.sidecar
+        self.host = core.host
         self.index = core.index  # (read only: what is resident)
         self.records: dict[tuple, Record] = {}
         self.by_id: dict[int, Record] = {}
         self._ids = itertools.count(1)
         self._counters = collections.Counter()
-        self.waits = SessionWaits(self.sidecar, self.clock)  # deferred ``wait`` replies
-        self.executor = SessionExecutor(self.pool, tier, self.sidecar, self.clock, self._counters,
+        self.waits = SessionWaits(self.host, self.clock)  # deferred ``wait`` replies
+        self.executor = SessionExecutor(self.pool, tier, self.host, self.clock, self._counters,
                                         query_done=self._query_done, chunk_done=self._chunk_done,
                                         finished=self._finish, session_of=self.by_id.get)
 
@@ -132,7 +132,7 @@ class SessionManager(Service):
         rec.events.append(("created", now, resident))
         self._counters[f"started_{policy.value}"] += 1
         if deadline is not None:
-            self.sidecar.call_at(deadline, self._deadline_due, rec.id)
+            self.host.call_at(deadline, self._deadline_due, rec.id)
         self._run(rec, rec.machine.handle(Start(now)))
         return self._view(rec)
 
@@ -250,7 +250,7 @@ class SessionManager(Service):
         self.waits.wake(rec.id, rec.machine, lambda: self._view(rec))
         if rec.machine.state == State.DRAINING and not rec.drain_timer:
             rec.drain_timer = True
-            self.sidecar.call_at(self.clock() + self._drain_budget(rec), self._drain_expired, rec.id)
+            self.host.call_at(self.clock() + self._drain_budget(rec), self._drain_expired, rec.id)
 
     def _drain_budget(self, rec: Record) -> float:
         return drain_budget(rec, self.tier, self.cfg)
@@ -272,7 +272,7 @@ class SessionManager(Service):
             self.core.arm_reaper(lease.deadline)
         self._counters[f"terminal_{a.status.value}"] += 1
         self._counters["restored_blocks"] += rec.restored
-        self.sidecar.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
+        self.host.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
         self.observer.session_ended(self._outcome(rec, a, now))
 
     def _outcome(self, rec: Record, a: Finish, now: float) -> SessionOutcome:
@@ -302,7 +302,7 @@ class SessionManager(Service):
             return
         group = conn.info.group
         if any(c is not conn and c.info is not None and c.info.group == group
-               for c in self.sidecar.clients.values()):
+               for c in self.host.clients.values()):
             return  # other ranks of the group are still here
         for rec in list(self.records.values()):
             if rec.key[0] == group:

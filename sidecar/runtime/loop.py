@@ -2,7 +2,7 @@
 
 Everything that changes pool, index, leases, sessions or clients runs here, so
 none of it needs locks.  Other threads (liveness monitor, L3 workers) hand work
-in through :meth:`Sidecar.post` (a deque plus a doorbell ring) and never touch
+in through :meth:`ControlLoop.post` (a deque plus a doorbell ring) and never touch
 state directly.
 
 The loop: serve every client ring that has work (first: after a wake-up the command
@@ -15,7 +15,7 @@ when idle.
 The loop is transport and dispatch only: the built-in ops (attach, detach, ping,
 stats) and the stats publishing are ``kvsidecar.sidecar.runtime.builtins``, mounted
 like any service; every completion is built by ``protocol.ok_completion`` or
-``protocol.error_completion`` (through :meth:`Sidecar._error`, which counts it).
+``protocol.error_completion`` (through :meth:`ControlLoop._error`, which counts it).
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ MAX_IDLE_SLEEP_S = 30.0  # bound on any sleep, even with no timers at all
 EXHAUSTION_LOG_EVERY_S = 10.0  # at most one "slots exhausted" line per this (the counter is exact)
 
 
-class Sidecar:
-    """Control loop over one control segment.  Services are mounted once (:meth:`mount`)."""
+class ControlLoop:
+    """Control loop over one control segment.  Services are mounted once (:meth:`mount`) and see
+    it only as a :class:`~kvsidecar.sidecar.service.Host`; the process around it is
+    :class:`~kvsidecar.sidecar.app.SidecarApp`."""
 
     def __init__(self, cfg: SidecarConfig, ctl: ControlSegment, layout: dict | None = None, death_word_of=None):
         self.cfg = cfg

@@ -279,7 +279,7 @@ def test_executor_cost_aware_slow_l3_demand_withdraws_queued_reads():
     b.tier.start(first)
     b.sm.op_demand(b.conn, {"req": "r"})
     b.loop.settle()
-    assert second.job.state == "cancelled"  # dearer than prefill, nothing left to hide behind
+    assert second.state == "cancelled"  # dearer than prefill, nothing left to hide behind
     b.tier.finish(first)
     p = terminal(b, "r")
     assert (p["status"], p["prefix"], p["reason"]) == ("cost", 4, "cost")
@@ -431,9 +431,14 @@ def test_a_queued_request_keeps_querying_when_its_eta_leaves_room():
 def test_the_policy_plans_with_the_read_cost_inflated_by_the_estimators_error():
     from kvsidecar.sidecar.prefetch.estimates import pessimistic
 
-    class T:
+    class Tier:
         cost = ReadCostModel(0.002, 0.004)
 
+        @property
+        def read_cost_error(self):
+            return self.cost.error
+
+    T = Tier()
     assert pessimistic(0.004, T) == 0.004  # no prediction made yet: the estimate as it is
     for blocks, seconds in ((8, 0.034), (8, 0.050), (8, 0.020)):  # noisy reads
         T.cost.observe(blocks, seconds)
@@ -457,8 +462,9 @@ def test_a_dear_l3_plans_a_queued_request_behind_every_queued_read():
     from kvsidecar.sidecar.l3.tier import ReadOutlook
     from kvsidecar.sidecar.prefetch.estimates import outlook
 
-    class FakeTier:
-        cost = ReadCostModel(0.002, 0.004)
+    class FakeTier:  # (only what ``outlook`` reads: SessionTier's estimates)
+        read_cost_error = 0.0
+        query_s = 0.0
 
         def __init__(self, s_per_block):
             self.s = s_per_block

@@ -1,6 +1,6 @@
 """A deterministic bench for the prefetch session executor: ``SessionManager`` + ``KVCore`` (pool
 manager, index, leases) in this process, a fake L3 tier whose lookups and reads the test answers
-one by one, a fake loop (posted events and timers) and an injected clock.  No sleeps, no threads.
+one by one (``scripts.fake_tier.HeldTier``), a fake loop (posted events and timers) and an injected clock.  No sleeps, no threads.
 
 Scenarios in the spirit of FlexKV #291's coordinator suite (read, not copied), then randomized
 completion/stop schedules over many seeds checking the invariants after every step.
@@ -9,7 +9,6 @@ completion/stop schedules over many seeds checking the invariants after every st
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
 import random
@@ -22,10 +21,10 @@ from kvsidecar.sidecar.runtime.clients import ClientInfo
 from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
 from kvsidecar.sidecar.kv.ops import KVCore
 from kvsidecar.sidecar.kv.index import KEY, unpack_ids
-from kvsidecar.sidecar.l3.cost_model import ReadEstimate
-from kvsidecar.sidecar.l3.tier import QUEUED, ReadOutlook, ReadResult, read_priority
+from kvsidecar.sidecar.l3.interface import QUEUED, read_priority
 from kvsidecar.sidecar.service import OpError
 from kvsidecar.sidecar.prefetch.sessions import SessionManager
+from scripts.fake_tier import HeldTier
 
 LAY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4, tp_size=1)
 
@@ -75,97 +74,6 @@ class Loop:
         self.settle()
 
 
-@dataclasses.dataclass
-class Job:
-    state: str = "queued"  # queued -> started | cancelled
-    read: object = None
-
-    def cancel(self) -> bool:
-        if self.state == "queued":
-            self.state = "cancelled"
-            return True
-        return False
-
-    def raise_priority(self, priority: int) -> None:
-        if self.state == "queued" and priority < self.read.priority:
-            self.read.priority = priority
-
-
-@dataclasses.dataclass
-class Read:
-    keys: bytes
-    blocks: bytes
-    done: object
-    priority: int
-    job: Job
-
-
-class Tier:
-    """The L3Tier interface the executor uses; every answer is given by the test."""
-
-    def __init__(self, loop: Loop, holds: set):
-        self.loop = loop
-        self.holds = holds  # keys L3 has
-        self.lookups: list = []
-        self._reads: list[Read] = []
-        self.read_s_per_block = None
-        self.blocks_read = 0
-        self.estimate = ReadEstimate(0.005, 0.001, 0)  # cost_aware's L3 input (the test sets it)
-
-    def lookup(self, ns, chain, done):
-        self.lookups.append((chain, done))
-
-    def load(self, ns, keys, blocks, done, priority=QUEUED):
-        r = Read(keys, blocks, done, priority, Job())
-        r.job.read = r
-        self._reads.append(r)
-        return r.job
-
-    def read_outlook(self, priority=QUEUED):
-        ahead = [r for r in self.reads if r.priority <= priority]
-        e = self.estimate
-        return ReadOutlook(e, sum(e.seconds(len(r.keys) // KEY) for r in ahead))
-
-    @property
-    def reads(self) -> list[Read]:
-        """Reads not withdrawn (a cancelled job never runs: the real lane drops it)."""
-        return [r for r in self._reads if r.job.state != "cancelled"]
-
-    # -- the test's side -----------------------------------------------------------------------
-    def answer_lookups(self):
-        while self.lookups:
-            chain, done = self.lookups.pop(0)
-            hits = 0
-            while hits < len(chain) // KEY and chain[hits * KEY:(hits + 1) * KEY] in self.holds:
-                hits += 1
-            self.loop.post(done, hits)  # the real tier answers through post, too
-        self.loop.settle()
-
-    def start(self, r: Read):
-        assert r.job.state == "queued"
-        r.job.state = "started"
-
-    def finish(self, r: Read, ok=None, seconds=0.01):
-        if r.job.state == "queued":
-            r.job.state = "started"
-        assert r.job.state == "started"
-        n = len(r.keys) // KEY
-        ok = [True] * n if ok is None else list(ok)
-        self._reads.remove(r)
-        self.blocks_read += n
-        good = sum(ok)
-        if good:
-            self.read_s_per_block = seconds / n
-        self.loop.post(r.done, ReadResult(ok, seconds))
-        self.loop.settle()
-
-    def run_all(self, ok_fn=None):
-        """Finish every read (in submission order) until none is left."""
-        while self.reads:
-            r = self.reads[0]
-            self.finish(r, None if ok_fn is None else ok_fn(r))
-
-
 class Conn:
     _tokens = itertools.count(1)
 
@@ -183,7 +91,7 @@ class Bench:
         self.core = KVCore(self.loop, LAY, blocks, limits, clock=self.clock, checksums=False)  # no bytes here
         self.cfg = SessionsConfig(**{"chunk_max_blocks": 4, "window": 2, "retained_ttl_s": 5.0, **sess})
         self.holds: set = set()
-        self.tier = Tier(self.loop, self.holds)
+        self.tier = HeldTier(self.loop, self.holds)
         self.sm = SessionManager(self.core, self.tier, self.cfg, clock=self.clock)
         self.conn = Conn()
         self.loop.clients[0] = self.conn
@@ -295,7 +203,7 @@ def test_abort_never_recycles_a_block_whose_read_is_in_flight():
     b.tier.start(r0)  # in flight; r1 still queued
     b.sm.op_abort(b.conn, {"req": "r"})
     b.loop.settle()
-    assert r1.job.state == "cancelled"  # withdrawn: never touched, freed at once
+    assert r1.state == "cancelled"  # withdrawn: never touched, freed at once
     s = b.books()
     assert s["staging"] == 4 and b.poll("r")["state"] == "draining"
     # the pool is full of other blocks wanting room: the 4 in-flight blocks are not handed out
@@ -592,7 +500,7 @@ def test_random_schedules_keep_the_invariants(seed):
             b.tier.answer_lookups()
         elif r < 0.6 and b.tier.reads:
             rd = rng.choice(b.tier.reads)
-            if rng.random() < 0.3 and rd.job.state == "queued":
+            if rng.random() < 0.3 and rd.state == "queued":
                 b.tier.start(rd)
             else:
                 n = len(rd.keys) // KEY

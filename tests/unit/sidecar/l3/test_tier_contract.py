@@ -1,0 +1,268 @@
+"""The session executor's L3 contract (``kvsidecar.sidecar.l3.interface.SessionTier``), checked
+the same way against the real ``L3Tier`` (file-store backend, real worker lanes, a real pool
+mapping) and both fakes (``scripts.fake_tier``: the executor bench's ``HeldTier`` and the
+simulator's ``VirtualL3``).  A fake that drifts from the real tier fails here.
+
+Each harness gives the tier a "control thread" — the test's own thread, running what the tier
+posts — and ``settle(until)``, which lets the tier answer what it owes (the real lanes run; the
+held fake answers as L3 would; virtual time advances).  The real tier's lanes start only at the
+first ``settle``, so reads submitted before it are still queued (cancellable) in all three.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import mmap
+import queue
+import threading
+import time
+
+import pytest
+
+from kvsidecar.sidecar.kv.index import KEY, pack_ids
+from kvsidecar.sidecar.l3.cost_model import ReadEstimate
+from kvsidecar.sidecar.l3.filestore import FileStore
+from kvsidecar.sidecar.l3.interface import DEMANDED, QUEUED, ReadJob, ReadOutlook, ReadResult, SessionTier
+from kvsidecar.sidecar.l3.tier import L3Tier
+from scripts import sim_virtual as sv
+from scripts.fake_tier import HeldTier, VirtualL3
+
+NS = "ns"
+BLOCKS = 16
+BLOCK_BYTES = 256
+
+
+def key(name: str) -> bytes:
+    return name.encode().ljust(KEY, b".")[:KEY]
+
+
+def data_of(k: bytes) -> bytes:
+    return (k * (BLOCK_BYTES // KEY + 1))[:BLOCK_BYTES]
+
+
+class RealHarness:
+    """``L3Tier`` over a ``FileStore`` in a temporary directory and an anonymous pool mapping."""
+
+    name = "real"
+
+    def __init__(self, tmp_path, held: list[bytes]):
+        self.pool = mmap.mmap(-1, BLOCKS * BLOCK_BYTES)
+        self._buf = ctypes.c_char.from_buffer(self.pool)
+        self.address = ctypes.addressof(self._buf)
+        self._posted: queue.Queue = queue.Queue()
+        self.backend = FileStore(str(tmp_path / "l3"))
+        self.tier = L3Tier(self.backend, lambda fn, *a: self._posted.put((fn, a)), fingerprint=b"\x01" * 8,
+                           pool_address=self.address, block_bytes=BLOCK_BYTES)
+        scratch = ctypes.create_string_buffer(b"".join(data_of(k) for k in held), max(1, len(held)) * BLOCK_BYTES)
+        base = ctypes.addressof(scratch)
+        keys = self.tier.keys(NS, b"".join(held))
+        assert all(self.backend.write(keys, [base + i * BLOCK_BYTES for i in range(len(held))], BLOCK_BYTES))
+        self.started = False
+
+    def settle(self, until, timeout_s: float = 10.0) -> None:
+        if not self.started:
+            self.tier.start()
+            self.started = True
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            left = deadline - time.monotonic()
+            assert left > 0, "the real tier did not answer in time"
+            fn, args = self._posted.get(timeout=left)
+            fn(*args)
+        while True:  # and whatever else it posted by now (e.g. a cancelled job's bookkeeping)
+            try:
+                fn, args = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            fn(*args)
+
+    def block(self, b: int) -> bytes:
+        return bytes(self.pool[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
+
+    def landed(self, b: int, k: bytes) -> bool:
+        return self.block(b) == data_of(k)
+
+    def untouched(self, b: int) -> bool:
+        return self.block(b) == bytes(BLOCK_BYTES)
+
+    def close(self) -> None:
+        if not self.started:
+            self.tier.start()
+        self.tier.stop()
+        del self._buf
+        self.pool.close()
+
+
+class _Loop:
+    """A control loop for the held fake: posted events run when the harness settles."""
+
+    def __init__(self):
+        self.events = collections.deque()
+
+    def post(self, fn, *args):
+        self.events.append((fn, args))
+
+    def settle(self):
+        while self.events:
+            fn, args = self.events.popleft()
+            fn(*args)
+
+
+class HeldHarness:
+    """``HeldTier``: the harness answers every lookup and read as L3 would (what it holds)."""
+
+    name = "held"
+
+    def __init__(self, tmp_path, held: list[bytes]):
+        self.loop = _Loop()
+        self.tier = HeldTier(self.loop, set(held))
+
+    def settle(self, until) -> None:
+        while self.tier.lookups or self.tier.pending or self.loop.events:
+            self.tier.answer_lookups()
+            for r in list(self.tier.pending):
+                self.tier.land(r, None, 0.01)
+            self.loop.settle()
+        assert until(), "the held tier left a call unanswered"
+
+    def landed(self, b: int, k: bytes) -> bool:
+        return True  # (no bytes in this fake)
+
+    def untouched(self, b: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class VirtualHarness:
+    """``VirtualL3`` on the simulator's virtual loop; ``contents`` says what each block holds."""
+
+    name = "virtual"
+
+    def __init__(self, tmp_path, held: list[bytes]):
+        self.loop = sv.VirtualLoop()
+        self.contents: dict = {}
+        self.tier = VirtualL3(self.loop, set(held), self.contents, {}, sv.SimParams(), None)
+
+    def settle(self, until) -> None:
+        while self.loop.next_timer():
+            pass
+        assert until(), "the virtual tier left a call unanswered"
+
+    def landed(self, b: int, k: bytes) -> bool:
+        return self.contents.get(b) == k
+
+    def untouched(self, b: int) -> bool:
+        return b not in self.contents
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(params=[RealHarness, HeldHarness, VirtualHarness], ids=lambda h: h.name)
+def make(request, tmp_path):
+    made = []
+
+    def _make(held: list[bytes]):
+        h = request.param(tmp_path, held)
+        made.append(h)
+        return h
+
+    yield _make
+    for h in made:
+        h.close()
+
+
+class Answers:
+    """Records each callback's arguments and the thread it ran on."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def __call__(self, value):
+        self.calls.append((value, threading.get_ident()))
+
+    @property
+    def values(self) -> list:
+        return [v for v, _ in self.calls]
+
+    def on(self, thread_id: int) -> bool:
+        return all(t == thread_id for _, t in self.calls)
+
+
+def test_every_tier_has_the_session_facing_members(make):
+    h = make([])
+    assert isinstance(h.tier, SessionTier)
+    assert h.tier.read_s_per_block is None  # no read landed yet
+    assert h.tier.query_s >= 0.0 and h.tier.read_cost_error >= 0.0
+
+
+def test_lookup_counts_the_leading_blocks_l3_holds_and_answers_later_on_the_control_thread(make):
+    k = [key(f"a{i}") for i in range(4)]
+    h = make([k[0], k[1], k[3]])  # a gap at 2: the prefix ends there
+    got, none = Answers(), Answers()
+    h.tier.lookup(NS, b"".join(k), got)
+    h.tier.lookup(NS, key("zz") + k[0], none)
+    assert got.calls == [] and none.calls == []  # never answered from inside the call
+    h.settle(lambda: got.calls and none.calls)
+    assert got.values == [2] and none.values == [0]
+    assert got.on(threading.get_ident()) and none.on(threading.get_ident())
+    assert h.tier.query_s >= 0.0
+
+
+def test_load_lands_held_blocks_fails_the_rest_and_learns_a_per_block_time(make):
+    k = [key(f"b{i}") for i in range(3)]
+    h = make(k[:2])
+    got = Answers()
+    job = h.tier.load(NS, b"".join(k), pack_ids([5, 6, 7]), got, priority=QUEUED)
+    assert isinstance(job, ReadJob) and got.calls == []
+    h.settle(lambda: got.calls)
+    (result,) = got.values
+    assert isinstance(result, ReadResult) and result.ok == [True, True, False] and result.landed == 2
+    assert result.seconds >= 0.0 and got.on(threading.get_ident())
+    assert h.landed(5, k[0]) and h.landed(6, k[1]) and h.untouched(7)
+    assert h.tier.read_s_per_block is not None and h.tier.read_s_per_block > 0
+    assert job.cancel() is False  # it ran: too late to withdraw
+    job.raise_priority(DEMANDED)  # a no-op once ended
+    assert len(got.calls) == 1
+
+
+def test_a_read_that_lands_nothing_does_not_change_the_estimate(make):
+    h = make([])
+    got = Answers()
+    h.tier.load(NS, key("m0") + key("m1"), pack_ids([1, 2]), got)
+    h.settle(lambda: got.calls)
+    assert got.values[0].ok == [False, False] and h.tier.read_s_per_block is None
+    assert h.untouched(1) and h.untouched(2)
+
+
+def test_a_cancelled_read_never_runs_and_never_answers(make):
+    k = [key(f"c{i}") for i in range(4)]
+    h = make(k)
+    first, second = Answers(), Answers()
+    a = h.tier.load(NS, b"".join(k[:2]), pack_ids([0, 1]), first, priority=QUEUED + 1)
+    b = h.tier.load(NS, b"".join(k[2:]), pack_ids([2, 3]), second, priority=QUEUED + 2)
+    b.raise_priority(QUEUED + 3)  # not sooner: a no-op
+    assert b.cancel() is True  # queued behind the first read: withdrawn
+    assert b.cancel() is False  # once
+    h.settle(lambda: first.calls)
+    assert [r.ok for r in first.values] == [[True, True]] and second.calls == []
+    assert h.untouched(2) and h.untouched(3)
+    assert a.cancel() is False
+
+
+def test_read_outlook_counts_the_work_ahead_and_never_more_for_a_sooner_priority(make):
+    k = [key(f"d{i}") for i in range(4)]
+    h = make(k)
+    idle = h.tier.read_outlook(QUEUED)
+    assert isinstance(idle, ReadOutlook) and isinstance(idle.estimate, ReadEstimate) and idle.backlog_s == 0.0
+    got = Answers()
+    h.tier.load(NS, b"".join(k[:2]), pack_ids([0, 1]), got, priority=QUEUED + 1)
+    h.tier.load(NS, b"".join(k[2:]), pack_ids([2, 3]), got, priority=QUEUED + 1)
+    behind = h.tier.read_outlook(QUEUED + 5).backlog_s
+    assert behind > 0.0  # two reads run before it
+    assert 0.0 <= h.tier.read_outlook(DEMANDED).backlog_s <= behind
+    h.settle(lambda: len(got.calls) == 2)
+    assert h.tier.read_outlook(QUEUED + 5).backlog_s == 0.0  # nothing left ahead
