@@ -36,7 +36,9 @@ def test_write_read_exists_and_integrity(tmp_path):
     p1, p2 = fs._path("a/k1"), fs._path("a/k2")
     with open(p1, "r+b") as f:
         f.seek(100)
-        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+        flipped = bytes([f.read(1)[0] ^ 0xFF])  # (a different byte whatever the random data held)
+        f.seek(100)  # (the read moved the position: write the byte that was read)
+        f.write(flipped)
     with open(p2, "r+b") as f:
         f.truncate(1000)
     ctypes.memset(da, 0, 4096)
