@@ -21,7 +21,7 @@ from kvsidecar.connector.session_registry import SessionRef, SessionRegistry
 from kvsidecar.shm.errors import UnavailableCause as Cause
 from kvsidecar.shm.layout import KVLayout
 
-from ..helpers import wait_until
+from ..helpers import wait_l3_idle, wait_until
 
 PAGE, HEADS, DIM, LAYERS, PAGES = 4, 2, 8, 2, 64
 CHAIN = 6
@@ -205,6 +205,7 @@ def test_backend_pages_go_through_the_copier_bit_exact(sidecar_factory, instance
     with b.connection() as c:
         assert c.lookup(b._chain(keys("null"))) == 0  # the refused store published nothing
     with b.connection() as c:
+        wait_l3_idle(c)  # (the stores' write-behind PUTs hold their blocks until they land)
         s = c.stats(check=True)
     assert s["invariants"] == "" and s["leases"]["live"] == 0 and s["pool"]["staging"] == 0
     b.close()
@@ -270,6 +271,7 @@ def test_sidecar_restarted_under_the_backend_from_three_threads(sidecar_factory,
     assert st["conn_slot_exhaustions"] == 0 and st["conn_attaches"] > st["conn_connections"], st
     assert b.sessions.sizes()["open"] == 0
     with b.connection() as c:
+        wait_l3_idle(c)  # (the stores' write-behind PUTs hold their blocks until they land)
         s = c.stats(check=True)
         assert c.client.generation == sc.generation
     assert s["invariants"] == "" and s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
