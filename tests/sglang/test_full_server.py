@@ -15,7 +15,6 @@ import signal
 import subprocess
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,24 +28,14 @@ from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
 from kvsidecar.shm.layout import KVLayout  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
+from scripts.sglang_server import http  # noqa: E402,F401  (the benchmark's server harness; the flush test imports it from here)
+
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 TP = 2
 PAGE = 16
-
-
-def http(port, path, body=None, method="POST", timeout=120):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw.decode()
 
 
 def generate(port, ids, rid=None):
