@@ -27,6 +27,36 @@ HOST_PAGES = 256
 TP = 2
 
 
+def run_ranks(target, *args, tp: int = TP, report_s: float = 240.0) -> list:
+    """Run ``target(rank, *args, pipe)`` in ``tp`` spawned rank processes (genuine SGLang ranks
+    of one TP group); each sends ``("ok", payload)`` or ``("error", traceback)`` once.  Returns
+    the payloads in rank order; every process is joined (killed if it outlives the test)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for rank in range(tp):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, args=(rank, *args, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    out = []
+    try:
+        for rank, pipe in enumerate(pipes):
+            assert pipe.poll(report_s), f"rank {rank} did not report"
+            status, payload = pipe.recv()
+            assert status == "ok", payload
+            out.append(payload)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    return out
+
+
 def page_bytes(host, indices) -> bytes:
     ptrs, sizes = host.get_page_buffer_meta(indices)
     return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))

@@ -16,7 +16,6 @@ the restores come from a shaped (slow) L3:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import pytest
 
@@ -60,28 +59,8 @@ ARMS = [
 
 def test_plugin_drives_sessions_tp2(sidecar_factory, instance, tmp_path):
     sidecar_factory(**sidecar_overrides(tmp_path))
-    ctx = mp.get_context("spawn")
     port = free_port()
-    pipes, procs = [], []
-    for rank in range(W.TP):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=W.rank_main, args=(rank, instance, port, ARMS, child), daemon=True)
-        p.start()
-        pipes.append(parent)
-        procs.append(p)
-    out = []
-    try:
-        for rank, pipe in enumerate(pipes):
-            assert pipe.poll(240), f"rank {rank} did not report"
-            status, payload = pipe.recv()
-            assert status == "ok", payload
-            out.append(payload)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    out = W.run_ranks(W.rank_main, instance, port, ARMS)
     by_arm = {a["arm"]: [out[r][i] for r in range(W.TP)] for i, a in enumerate(ARMS)}
     hit = PAGES * W.PAGE
     for arm, (r0, r1) in by_arm.items():

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import pytest
 
@@ -21,6 +20,7 @@ pytest.importorskip("sglang")
 from kvsidecar.sidecar.l3.master import free_port  # noqa: E402
 
 from . import eta_workers as E  # noqa: E402
+from . import plugin_workers as W  # noqa: E402
 from .test_plugin_controller import sidecar_overrides  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -28,28 +28,8 @@ pytestmark = pytest.mark.sglang
 
 def test_eta_hook_tp2(sidecar_factory, instance, tmp_path):
     sidecar_factory(**{**sidecar_overrides(tmp_path), "l3.latency_ms": 150.0})  # sessions stay live a while
-    ctx = mp.get_context("spawn")
     port = free_port()
-    pipes, procs = [], []
-    for rank in range(2):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=E.rank_main, args=(rank, instance, port, child), daemon=True)
-        p.start()
-        pipes.append(parent)
-        procs.append(p)
-    out = []
-    try:
-        for rank, pipe in enumerate(pipes):
-            assert pipe.poll(240), f"rank {rank} did not report"
-            status, payload = pipe.recv()
-            assert status == "ok", payload
-            out.append(payload)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    out = W.run_ranks(E.rank_main, instance, port)
     r0, r1 = out
     for r in out:
         assert r["eta_hook_applied"] and all(r["hooks"].values()), r
