@@ -323,7 +323,9 @@ class KvSidecarHiCacheStorage(_Base):
                 return view["prefix"]
             if view["state"] in ("created", "querying", "unknown"):
                 return view.get("published", 0)  # L3 did not answer in time: the resident prefix only
-            return view["target"]
+            # what the policy means to restore: SGLang fetches (and waits on its one I/O thread for)
+            # exactly the hit it is told, so cost_aware's plan, not the whole L3 hit
+            return view.get("planned", view["target"])
 
         hit = self._call(run, None)
         if hit is None:  # no sidecar: nothing to track

@@ -95,16 +95,17 @@ def gain(o: Outlook, now: float, blocks: int, current_end: float, queued_s: floa
     return blocks * o.saving_per_block - (start_then - start_now)
 
 
-def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: float,
-               claimed_before: bool, queued_s: float = 0.0) -> int:
-    """How many blocks to claim next (0: stop claiming).
+def plan(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: float,
+         claimed_before: bool, queued_s: float = 0.0) -> int:
+    """How many more blocks the policy means to restore now (0: none), over several chunks.
 
     Plans compared: restore everything that remains (in chunks: the wait for the lane is paid
     once for all of it), one more chunk, and the most that still lands by ``eta``; the plan
-    with the best positive gain decides, and its first chunk is claimed.  ``current_end``: when
-    what this session already claimed is expected to land (``now`` when nothing is in flight).
-    Without evidence about L3 (``probe_blocks``) a session that has claimed nothing yet reads
-    one small probe chunk.
+    with the best positive gain wins.  ``current_end``: when what this session already claimed
+    is expected to land (``now`` when nothing is in flight).  Without evidence about L3
+    (``probe_blocks``) a session that has claimed nothing yet plans one small probe chunk.
+    This is what an engine that fetches the hit itself is told the hit is (``planned`` in the
+    session's view): more may follow only if a later decision finds it pays.
     """
     cap = min(remaining, chunk_size(o, chunk_max))
     if cap <= 0:
@@ -122,7 +123,14 @@ def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_e
             best, best_gain = k, g
     if best == 0 and o.probe_blocks and not claimed_before:
         return min(cap, o.probe_blocks)
-    return min(best, cap)
+    return best
+
+
+def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: float,
+               claimed_before: bool, queued_s: float = 0.0) -> int:
+    """How many blocks to claim next (0: stop claiming): the first chunk of :func:`plan`."""
+    return min(plan(o, now, remaining, chunk_max, current_end, claimed_before, queued_s),
+               chunk_size(o, chunk_max))
 
 
 def keep_admitted(o: Outlook, current_end: float) -> bool:

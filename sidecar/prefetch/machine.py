@@ -244,9 +244,20 @@ class Session:
         self.queued_s = 0.0  # read time claimed since the outlook was taken (not in its backlog)
         self.claimed_any = False
         self.probe_chunk = -1  # the first claim was a probe (read for the estimate, not its gain)
+        self.plan_end = p.resident  # where the last cost decision meant to restore to (``planned``)
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
 
     # -- helpers --------------------------------------------------------------------------------
+    @property
+    def planned(self) -> int:
+        """Where this session means to restore to: the end of the L3 hit for every policy but
+        cost_aware, whose current plan may stop short of it (never below what it has claimed).
+        An engine that fetches the hit itself (SGLang's ``batch_exists``) is told this, so it
+        does not wait for blocks the policy will not read."""
+        if self.p.policy != Policy.COST_AWARE or self.state in (State.CREATED, State.QUERYING):
+            return self.target
+        return min(self.target, max(self.next_pos, self.plan_end))
+
     @property
     def in_flight(self) -> int:
         return sum(1 for c in self.chunks.values() if c.ok is None)
@@ -327,8 +338,10 @@ class Session:
         # what is in flight lands at the later of the estimate made when it was claimed and the
         # lane's current backlog (which counts this session's own reads, last among equals)
         current_end = max(self.expected_end, now + o.backlog_s) if self.in_flight else now
-        n = cost.next_claim(o, now, self.target - self.next_pos, self.p.chunk_max_blocks, current_end,
+        planned = cost.plan(o, now, self.target - self.next_pos, self.p.chunk_max_blocks, current_end,
                             self.claimed_any, self.queued_s)
+        self.plan_end = self.next_pos + planned
+        n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
         if n == 0:
             keep = cost.keep_admitted(o, current_end)
             if keep and self.in_flight:

@@ -194,7 +194,7 @@ class SessionManager(Service):
     def _view(self, rec: Record, existed: bool = False) -> dict:
         m = rec.machine
         out = {"session": rec.id, "state": m.state.value, "policy": rec.policy, "published": m.published,
-               "target": m.target, "existed": existed}
+               "target": m.target, "planned": m.planned, "existed": existed}
         if m.state == State.TERMINAL:
             lease = self.pool.result_of(rec.key, rec.id)
             out.update(status=m.status.value, prefix=m.prefix, reason=m.reason,

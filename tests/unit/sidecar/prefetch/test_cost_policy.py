@@ -163,6 +163,30 @@ def test_machine_slow_l3_with_slack_reads_what_hides_behind_the_queue_then_stops
     assert f == Finish(Status.COST, 11, "cost")
 
 
+def test_machine_planned_is_what_cost_aware_will_restore_not_the_whole_hit():
+    """An engine that fetches the hit itself (SGLang's batch_exists) is told ``planned``: here
+    the 11 of 64 hit blocks that land by the eta, so it never waits for the other 53."""
+    s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
+    s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
+    assert (s.target, s.planned) == (64, 11)
+    run_to_end(s, 0.1)
+    assert s.planned == 11 == s.published
+
+
+def test_machine_planned_is_the_whole_hit_when_it_pays_none_when_nothing_does_and_always_for_other_policies():
+    s = session()
+    assert s.planned == s.target  # while querying: the hit is not known yet
+    s.handle(QueryDone(64, 0.0, ol()))
+    assert s.planned == 64
+    s = session(outlook=ol(regime=SLOW))
+    s.handle(QueryDone(64, 0.0, ol(regime=SLOW)))
+    assert (s.target, s.planned) == (64, 0)
+    w = Session(Params(Policy.WAIT_COMPLETE, 64, 0, 8, 2, None))
+    w.handle(Start(0.0))
+    w.handle(QueryDone(40, 0.0))
+    assert w.planned == w.target == 40
+
+
 @pytest.mark.parametrize("regime,sealed", [(FAST, False), (SLOW, True)])
 def test_machine_demand_replans_with_the_eta_at_now(regime, sealed):
     s = session(chunk=8, outlook=ol(eta=1.0, regime=regime))
