@@ -43,6 +43,7 @@ class Outlook:
     load_s_per_block: float = 0.0  # copying a restored block into the engine
     probe_blocks: int = 0  # the L3 estimate has no evidence yet: one small chunk may be read to learn it
     query_s: float = 0.0  # how long an L3 existence query takes (measured; 0: unknown)
+    unmeasured: bool = False  # the L3 estimate is still the configured prior (no read has landed)
 
     def __post_init__(self):
         for f in ("prefill_s_per_block", "l3_latency_s", "l3_s_per_block", "backlog_s", "load_s_per_block",
@@ -103,13 +104,19 @@ def plan(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: fl
     once for all of it), one more chunk, and the most that still lands by ``eta``; the plan
     with the best positive gain wins.  ``current_end``: when what this session already claimed
     is expected to land (``now`` when nothing is in flight).  Without evidence about L3
-    (``probe_blocks``) a session that has claimed nothing yet plans one small probe chunk.
+    (``unmeasured``) nothing is planned on the prior: only a probe (``probe_blocks``), by a
+    session that has claimed nothing yet.
     This is what an engine that fetches the hit itself is told the hit is (``planned`` in the
     session's view): more may follow only if a later decision finds it pays.
     """
     cap = min(remaining, chunk_size(o, chunk_max))
     if cap <= 0:
         return 0
+    if o.unmeasured:
+        # The prior is a guess (measured: 40x off at 2 Mbit/s), and what is planned on it is
+        # read in full, ahead of every later session.  So nothing is planned on it: one session
+        # probes (``probe_blocks``: the lane was idle), the others restore nothing until it lands.
+        return min(cap, o.probe_blocks) if o.probe_blocks and not claimed_before else 0
     plans = {cap, remaining}
     if o.l3_s_per_block > 0:
         base = max(now + o.backlog_s + queued_s, current_end) + o.l3_latency_s
@@ -148,6 +155,8 @@ def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int) -> bo
         return False
     if o.probe_blocks:
         return True  # no evidence yet: the answer (and a probe) is how the estimate is learnt
+    if o.unmeasured:
+        return False  # another session's probe is out: nothing is planned until it lands
     answered = now + max(o.query_s, o.l3_latency_s)
     cap = max(1, chunk_size(o, chunk_max))
     plans = {remaining}

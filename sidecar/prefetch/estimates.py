@@ -32,7 +32,7 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg) -> Outlook |
         # behind all of them, or a busy lane pushes the reads past the ETA and the request waits
         backlog = max(backlog, tier.read_outlook(ALL_QUEUED).backlog_s)
     return Outlook(eta, rec.prefill_s_per_block, est.latency_s, s_per_block,
-                   backlog, cfg.load_s_per_block, probe, tier.query_s)
+                   backlog, cfg.load_s_per_block, probe, tier.query_s, unmeasured=est.samples == 0)
 
 
 ALL_QUEUED = 1 << 62  # a read priority behind every queued read (see read_priority)

@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 
 from kvsidecar.connector.hicache_backend import KvSidecarHiCacheStorage, layout_for_host_pool  # noqa: E402
 from tests.helpers import wait_l3_idle  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -176,35 +177,44 @@ def test_with_real_mooncake_behind_the_sidecar(sidecar_factory, instance, tmp_pa
 
 def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, instance, tmp_path):
     """SGLang fetches exactly the hit ``batch_exists`` reports, on its one I/O thread.  With L3
-    dearer than prefill (10 ms vs 5 ms a block) and the request 100 ms from its prefill,
-    cost_aware restores only what lands by then: that is the hit SGLang is told, every page of
-    it arrives bit-exact, and the session ends having restored exactly it."""
+    dearer than prefill (10 ms vs 5 ms a block) and the request 500 ms from its prefill,
+    cost_aware restores only what lands by then: that is the hit SGLang is told (not the 64-block
+    L3 hit), its pages arrive bit-exact, and the session restores no more than it.  (A first
+    request measures L3 with its probe: nothing is planned on the prior.)"""
     pool = host_pool("layer_first")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
     block_bytes = layout_for_host_pool(pool, "tiny-llama", False).block_bytes
     mb_per_s = block_bytes / 0.010 / 1e6  # 10 ms a block, the estimator's prior and the shaped tier
     sidecar_factory(**sidecar_overrides(pool, tmp_path, **{
         "l3.cost_prior_latency_ms": 1.0, "l3.cost_prior_mb_per_s": mb_per_s,
-        "l3.bandwidth_mbps": mb_per_s * 8, "sessions.probe_blocks": 0}))
+        "l3.bandwidth_mbps": mb_per_s * 8, "sessions.probe_blocks": 2}))
     b = KvSidecarHiCacheStorage(storage_config(instance, sessions={"policy": "cost_aware", "chunk_max_blocks": 4}), {})
     b.register_mem_pool_host(pool)
     n = 64
-    ks = keys(n, salt="plan")
+    ks, warm = keys(n, salt="plan"), keys(8, salt="warm")
     assert all(b.batch_set_v1(ks, page_indices(range(n))))
+    assert all(b.batch_set_v1(warm, page_indices(range(n, n + 8))))
     want = page_bytes(pool, range(n))
     with b.connection() as c:
         wait_l3_idle(c)
-        c.flush()  # only L3 holds the chain now
-    b.eta_source = lambda rid, attempt: (0.100, 0.005)  # the plugin's ETA: prefill in 100 ms, 5 ms a block
+        c.flush()  # only L3 holds the chains now
+    b.eta_source = lambda rid, attempt: (0.5, 0.005)  # the plugin's ETA: prefill in 500 ms, 5 ms a block
+    with b.bind("r-warm", 0):
+        assert b.batch_exists(warm) == 2  # unmeasured: the probe, and only it
+    assert all(b.batch_get_v1(warm[:2], page_indices(range(200, 202))))
+    b.end("r-warm", 0, abort=False)
+    with b.connection() as c:
+        wait_until(lambda: c.stats()["l3"]["cost"]["samples"] > 0, 10, "the probe to measure L3")
     with b.bind("r-plan", 0):
         hit = b.batch_exists(ks)
-    view = b.session("r-plan", 0)
-    assert 0 < hit < n, hit  # a plan that fits the queue, not the 64-block L3 hit
-    assert all(b.batch_get_v1(ks[:hit], page_indices(range(100, 100 + hit))))
-    assert page_bytes(pool, range(100, 100 + hit)) == want[:hit * len(want) // n]
+    assert 0 < hit < n, hit  # a plan that fits the queue, not the whole L3 hit
+    res = b.batch_get_v1(ks[:hit], page_indices(range(100, 100 + hit)))
+    got = res.count(True)
+    assert got > 0 and res == [True] * got + [False] * (hit - got), res  # a slow read may end it early
+    per_page = len(want) // n
+    assert page_bytes(pool, range(100, 100 + got)) == want[:got * per_page]
     with b.connection() as c:
         final = c.wait("r-plan", attempt=0, terminal=True, timeout_s=10.0)
-    assert final["state"] == "terminal" and final["status"] == "cost" and final["prefix"] == hit, final
-    assert view is not None
+    assert final["state"] == "terminal" and final["status"] == "cost" and got <= final["prefix"] <= hit, final
     b.end("r-plan", 0, abort=False)
     b.close()

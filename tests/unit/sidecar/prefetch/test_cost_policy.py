@@ -63,6 +63,19 @@ def test_a_probe_without_evidence_reads_one_small_chunk_once():
     assert cost.next_claim(o, 0.0, 100, 32, 0.0, claimed_before=True) == 0
 
 
+def test_nothing_is_planned_on_the_prior_only_a_probe():
+    """Unmeasured, the prior is a guess: even one that says everything pays (FAST) plans only a
+    probe, and a session that finds another's probe out (no ``probe_blocks``) plans nothing and
+    does not wait for its query."""
+    o = ol(probe_blocks=4, unmeasured=True)
+    assert cost.plan(o, 0.0, 100, 8, 0.0, claimed_before=False) == 4
+    assert cost.plan(o, 0.0, 100, 8, 0.0, claimed_before=True) == 0
+    busy = ol(unmeasured=True)
+    assert cost.plan(busy, 0.0, 100, 8, 0.0, claimed_before=False) == 0
+    assert not cost.worth_querying(busy, 0.0, remaining=100, chunk_max=8)
+    assert cost.plan(ol(), 0.0, 100, 8, 0.0, claimed_before=False) == 100  # measured: the whole tail
+
+
 def test_a_pool_hit_with_a_short_tail_does_not_wait_for_the_query():
     # 2 blocks would save 12 ms; the query alone takes 15 ms: the candidate must not wait for it
     assert not cost.worth_querying(ol(query_s=0.015), 0.0, remaining=2, chunk_max=8)
@@ -348,6 +361,28 @@ def test_executor_probe_when_l3_was_never_measured():
     assert [len(r.keys) // 16 for r in b.tier.reads] == [2]
     b.tier.run_all()
     assert terminal(b, "r")["prefix"] == 2
+
+
+def test_executor_sessions_that_start_during_the_first_probe_restore_nothing():
+    """The prior says L3 is fast; the first session only probes, the second (its query answered
+    while the probe is out) restores nothing from L3, and once the probe measured L3 a third
+    session plans on the measurement."""
+    b = Bench(blocks=256, chunk_max_blocks=8, probe_blocks=2)
+    b.tier.estimate = ReadEstimate(0.001, 0.0001, 0)  # an optimistic prior, no evidence
+    first, second = b.chain("a", 40), b.chain("b", 40)
+    b.prefetch("r1", first, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    b.prefetch("r2", second, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [2]  # r1's probe only
+    b.tier.run_all()
+    assert terminal(b, "r2")["prefix"] == 0
+    b.tier.estimate = ReadEstimate(0.001, 0.0001, 3)  # measured now
+    third = b.chain("c", 40)
+    b.prefetch("r3", third, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    assert terminal(b, "r3")["prefix"] == 40
 
 
 def test_eta_and_prefill_cost_are_validated_on_the_wire():
