@@ -76,24 +76,6 @@ cdef class Bell:
         """Signal the waiter.  Returns True when a futex wake-up was posted."""
         return self.post()
 
-    # The waiter's protocol, in the two steps around its own re-check of its condition (which
-    # ``sleep`` calls in Python and ``Consumer.wait_pop`` reads natively):
-    cdef inline void announce(self) noexcept nogil:
-        """Publish ``sleeping``, then a full fence: the poster's RMW and this store are ordered,
-        so either the poster sees ``sleeping`` and wakes, or the waiter's re-check sees the data."""
-        kvs_store_rel32(self.sleeping_addr, 1)
-        kvs_fence()
-
-    cdef inline int doze(self, uint32_t observed, int64_t ns) noexcept nogil:
-        """``futex_wait(seq, observed)`` for at most ``ns``, then clear ``sleeping`` (also the
-        way out when the re-check found the condition true: pass ``ns = 0``).  0 woken, 1
-        timeout, -errno."""
-        cdef int r = 0
-        if ns > 0:
-            r = kvs_futex_wait(self.seq_addr, observed, ns)
-        kvs_store_rel32(self.sleeping_addr, 0)
-        return r
-
     def sleep(self, ready, uint32_t observed, double timeout_s, bint recheck=True):
         """The waiter's sleep, after it read ``seq`` as ``observed`` and found ``ready()`` false:
         publish ``sleeping``, full fence, re-check ``ready()``, then ``futex_wait(seq, observed)``
@@ -102,18 +84,20 @@ cdef class Bell:
         its own condition at once).  Native because everything after the wake-up is latency."""
         if timeout_s <= 0:
             return bool(ready())
-        self.announce()
+        kvs_store_rel32(self.sleeping_addr, 1)
+        kvs_fence()
         try:
             if ready():
-                self.doze(observed, 0)
+                kvs_store_rel32(self.sleeping_addr, 0)
                 return True
         except BaseException:
-            self.doze(observed, 0)
+            kvs_store_rel32(self.sleeping_addr, 0)
             raise
         cdef int64_t ns = <int64_t>(timeout_s * 1e9)
         cdef int r
         with nogil:
-            r = self.doze(observed, ns)
+            r = kvs_futex_wait(self.seq_addr, observed, ns)
+            kvs_store_rel32(self.sleeping_addr, 0)
         if r < 0:
             raise OSError(-r, "futex wait failed")
         if r == 0 and not recheck:
@@ -259,8 +243,11 @@ cdef class Consumer:
         cdef int r = 0
         if kvs_load_acq64(tail_addr) == head and ns > 0:
             with nogil:
-                bell.announce()
-                r = bell.doze(observed, ns if kvs_load_acq64(tail_addr) == head else 0)
+                kvs_store_rel32(bell.sleeping_addr, 1)
+                kvs_fence()
+                if kvs_load_acq64(tail_addr) == head:
+                    r = kvs_futex_wait(bell.seq_addr, observed, ns)
+                kvs_store_rel32(bell.sleeping_addr, 0)
             if r < 0:
                 raise OSError(-r, "futex wait failed")
         return self.pop_batch(limit)
