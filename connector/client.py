@@ -27,7 +27,6 @@ import select
 import time
 
 from kvsidecar.shm import protocol
-from kvsidecar.shm.protocol import PROTOCOL_VERSION
 from kvsidecar.shm.control import STATE_READY, ControlSegment, describe_slot_holders, process_start_ticks
 from kvsidecar.shm.deathword import DEATH_WORD_OFFSET, DeathSentinel
 from kvsidecar.shm.errors import (
@@ -201,7 +200,7 @@ class SidecarClient:
 
     def send(self, op: str, *, timeout_s: float | None = None, **fields) -> int:
         """Queue one request; returns its id.  Waits (bounded) while the submit ring is full."""
-        msg = {"v": PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
+        msg = {"v": protocol.PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
         for k, v in fields.items():
             if v is not None:
                 msg[k] = v
@@ -227,44 +226,16 @@ class SidecarClient:
         self._woke_sidecar = self._ctl.sidecar_doorbell.ring()
 
     def wait(self, rid: int, timeout_s: float | None = None) -> dict:
-        """Wait for the completion of request ``rid``.
-
-        Each pass is one bounded wait for completions.  After a request that woke the sidecar (it
-        was asleep: this answer needs a wake-up anyway) it sleeps at once, in one native call
-        (``RingConsumer.wait_pop``); otherwise it spins first, on the doorbell.  After an idle gap
-        every line here runs cold, so the pass is written out here rather than called.  The
-        sidecar's liveness is checked only when a pass ends without progress, so the fast path
-        costs no system call; a dead sidecar is noticed within one ``liveness_slice_s``."""
+        """Wait for the completion of request ``rid``."""
         reply = self._pending.pop(rid, None)
         if reply is not None:
             return reply
-        now = time.monotonic()
-        deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
-        completions = self._completions
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
-            if self._broken is not None or self._ctl is None:
-                self._check_alive()
-            try:
-                if now >= deadline:
-                    frames = completions.pop_batch(256)  # what arrived by the deadline, the caller takes
-                elif self._woke_sidecar:
-                    frames = completions.wait_pop(self._doorbell, min(self.liveness_slice_s, deadline - now), 256)
-                else:
-                    self._doorbell.wait(completions.has_data, min(self.liveness_slice_s, deadline - now), self.spin_s)
-                    frames = completions.pop_batch(256)
-            except RingCorrupted as exc:
-                self.mark_broken(f"completion ring unusable: {exc}")
-                raise SidecarUnavailable(self._broken, self._broken_cause) from None
-            if frames:
-                self._receive(frames)
-                reply = self._pending.pop(rid, None)
-                if reply is not None:
-                    return reply
-            else:
-                self._check_alive()
-            now = time.monotonic()
-            if now >= deadline and not frames:
-                raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
+            self._receive(self._next_completions(deadline))
+            reply = self._pending.pop(rid, None)
+            if reply is not None:
+                return reply
 
     def poll_completions(self) -> list[dict]:
         """Non-blocking: every completion that arrived (and any read ahead)."""
@@ -284,6 +255,36 @@ class SidecarClient:
             raise SidecarUnavailable(self._broken, self._broken_cause) from None
         self._receive(frames)
 
+    def _next_completions(self, deadline: float) -> list:
+        """One bounded wait for completions; returns the frames that arrived (empty: none yet).
+
+        After a request that woke the sidecar (it was asleep: this answer needs a wake-up
+        anyway) this sleeps at once, in one native call (``RingConsumer.wait_pop``): after an
+        idle gap every line here runs cold.  Otherwise it spins first, on the doorbell.  The
+        sidecar's liveness is checked only when a slice ends without progress, so the fast path
+        costs no system call; a dead sidecar is noticed within one ``liveness_slice_s``."""
+        if self._broken is not None or self._ctl is None:
+            self._check_alive()
+        completions = self._completions
+        try:
+            now = time.monotonic()
+            if now >= deadline:
+                frames = completions.pop_batch(256)  # what arrived by the deadline, the caller takes
+            elif self._woke_sidecar:
+                frames = completions.wait_pop(self._doorbell, min(self.liveness_slice_s, deadline - now), 256)
+            else:
+                self._doorbell.wait(completions.has_data, min(self.liveness_slice_s, deadline - now), self.spin_s)
+                frames = completions.pop_batch(256)
+        except RingCorrupted as exc:
+            self.mark_broken(f"completion ring unusable: {exc}")
+            raise SidecarUnavailable(self._broken, self._broken_cause) from None
+        if frames:
+            return frames
+        self._check_alive()
+        if time.monotonic() >= deadline:
+            raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
+        return frames
+
     def _receive(self, frames: list) -> None:
         for data in frames:
             try:
@@ -295,7 +296,7 @@ class SidecarClient:
 
     def _wait_for_space(self, ready, deadline: float) -> None:
         """One bounded wait on our doorbell for submit-ring space (``ready``); the sidecar's
-        liveness is checked when the slice ends without it (as in :meth:`wait`)."""
+        liveness is checked when the slice ends without it (as in :meth:`_next_completions`)."""
         now = time.monotonic()
         if now < deadline:
             if self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s):

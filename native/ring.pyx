@@ -76,23 +76,12 @@ cdef class Bell:
         """Signal the waiter.  Returns True when a futex wake-up was posted."""
         return self.post()
 
-    def sleep(self, ready, uint32_t observed, double timeout_s, bint recheck=True):
-        """The waiter's sleep, after it read ``seq`` as ``observed`` and found ``ready()`` false:
-        publish ``sleeping``, full fence, re-check ``ready()``, then ``futex_wait(seq, observed)``
-        for at most ``timeout_s`` (GIL released) and clear ``sleeping``.  Returns ``ready()``;
-        after a wake-up with ``recheck`` false, True without calling it (the caller re-checks
-        its own condition at once).  Native because everything after the wake-up is latency."""
-        if timeout_s <= 0:
-            return bool(ready())
-        kvs_store_rel32(self.sleeping_addr, 1)
-        kvs_fence()
-        try:
-            if ready():
-                kvs_store_rel32(self.sleeping_addr, 0)
-                return True
-        except BaseException:
-            kvs_store_rel32(self.sleeping_addr, 0)
-            raise
+    def sleep(self, uint32_t observed, double timeout_s):
+        """The waiter's last step, after it published ``sleeping``, fenced and re-checked its
+        condition: ``futex_wait(seq, observed)`` for at most ``timeout_s`` (GIL released), then
+        clear ``sleeping``.  True when woken (or ``seq`` had moved), False on the timeout."""
+        if timeout_s < 0:
+            raise ValueError("sleep needs a non-negative timeout")
         cdef int64_t ns = <int64_t>(timeout_s * 1e9)
         cdef int r
         with nogil:
@@ -100,9 +89,7 @@ cdef class Bell:
             kvs_store_rel32(self.sleeping_addr, 0)
         if r < 0:
             raise OSError(-r, "futex wait failed")
-        if r == 0 and not recheck:
-            return True
-        return bool(ready())
+        return r == 0
 
 
 cdef class Producer:

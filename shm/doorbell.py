@@ -26,8 +26,7 @@ idle or CPU-starved traffic sleeps like a socket.  Spinning never changes what a
 wait returns, only how soon.
 
 After a wake-up every line here runs cold (the idle gap let other work evict it), so a wait
-that does not spin goes straight to sleep (the native ``Bell.sleep``: publish, fence, re-check,
-``futex_wait``, clear), and a caller that
+that does not spin goes straight to sleep (:meth:`Doorbell._sleep`), and a caller that
 re-checks its own condition at once passes ``recheck=False`` (the control loop: its next
 step serves what woke it, so a second scan inside the wait would only delay that).
 
@@ -100,7 +99,7 @@ class Doorbell(_native.Bell):
             self.spins_skipped += 1
             spin = 0.0
         if spin <= 0:
-            return self.sleep(ready, observed, timeout_s, recheck)  # native: the shortest path
+            return self._sleep(ready, observed, timeout_s, recheck)
         spin = min(spin, timeout_s)
         start = time.perf_counter()
         end = start + spin
@@ -125,7 +124,22 @@ class Doorbell(_native.Bell):
         remaining = timeout_s - (time.perf_counter() - start)
         if remaining <= 0:
             return ready()
-        return self.sleep(ready, observed, remaining, recheck)
+        return self._sleep(ready, observed, remaining, recheck)
+
+    def _sleep(self, ready, observed: int, timeout_s: float, recheck: bool) -> bool:
+        if timeout_s <= 0:
+            return ready()
+        _a.store_release_u32(self.sleeping_addr, 1)
+        _a.fence()
+        try:
+            if ready():
+                _a.store_release_u32(self.sleeping_addr, 0)
+                return True
+        except BaseException:
+            _a.store_release_u32(self.sleeping_addr, 0)
+            raise
+        woken = self.sleep(observed, timeout_s)  # native: futex_wait, then clears ``sleeping``
+        return ready() if recheck or not woken else True
 
     def sleeping(self) -> bool:
         return bool(_a.load_acquire_u32(self.sleeping_addr))

@@ -87,8 +87,7 @@ class ControlLoop:
         self._exhaustion_logged_at = float("-inf")
         self._running = False
         self._stop_requested = False
-        self._woke_client = False  # this step's completions woke a sleeping client (see run)
-        self._slept_at = float("-inf")  # when the loop last went to wait
+        self._woke_client = False  # this step's completions woke a sleeping client: no spin
         self.liveness = LivenessMonitor(self._on_client_dead, death_word_of=death_word_of)
         self.publisher = StatsPublisher(ctl, self.snapshot, cfg.transport.stats_interval_ms * 1e-3)
         self.mount(BuiltinOps(self, ctl, instance=cfg.instance, layout=layout, checksums=cfg.integrity.checksums))
@@ -144,12 +143,8 @@ class ControlLoop:
                 timeout = self.publisher.timeout(now, MAX_IDLE_SLEEP_S)  # never on the request path
                 if self._timers:
                     timeout = max(0.0, min(timeout, self._timers[0][0] - now))
-                # A client this step had to wake was asleep: spinning for its next request pays only
-                # in a stream of back-to-back requests, which the last sleep shows (it ended within
-                # the spin).  Without this both sides would sleep on every request of such a stream.
-                spin = spin_s if not self._woke_client or now - self._slept_at < 2 * spin_s else 0.0
+                spin = 0.0 if self._woke_client else spin_s
                 self._woke_client = False
-                self._slept_at = now
                 self.doorbell.wait(self._has_work, timeout, spin, recheck=False)  # _step re-checks
         finally:
             self.ctl.set_state(STATE_STOPPING)
