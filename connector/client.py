@@ -121,8 +121,7 @@ class SidecarClient:
         # down its address space, so the sidecar reclaims us fast whatever we mapped (kvsidecar.shm.deathword)
         self._sentinel = DeathSentinel(ctl.slot_addr(self.slot) + DEATH_WORD_OFFSET)
         self._submit = ctl.submit_producer(self.slot)
-        # pop_batch rings the sidecar when it waits for completion space (the ring's rule 3)
-        self._completions = ctl.completion_consumer(self.slot, waker=ctl.sidecar_doorbell)
+        self._completions = ctl.completion_consumer(self.slot)
         self._doorbell = ctl.client_doorbell(self.slot)
         ctl.bump_slot_epoch()
         try:
@@ -219,7 +218,7 @@ class SidecarClient:
                     if self._submit.mark_waiting():
                         continue
                     self._ctl.sidecar_doorbell.ring()
-                    self._wait_for_space(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline)
+                    self._wait_slice(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline, busy=True)
         except RingCorrupted as exc:
             self.mark_broken(f"submit ring unusable: {exc}")
             raise SidecarUnavailable(self._broken, self._broken_cause) from None
@@ -231,8 +230,12 @@ class SidecarClient:
         if reply is not None:
             return reply
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        ready = self._completions.has_data
         while True:
-            self._receive(self._next_completions(deadline))
+            # the doorbell's own ready() check comes first: a completion already there is
+            # drained at once, and a request still in flight goes to sleep by the shortest path
+            self._wait_slice(ready, deadline, spin=not self._woke_sidecar)
+            self._drain_completions()
             reply = self._pending.pop(rid, None)
             if reply is not None:
                 return reply
@@ -253,39 +256,10 @@ class SidecarClient:
         except RingCorrupted as exc:
             self.mark_broken(f"completion ring unusable: {exc}")
             raise SidecarUnavailable(self._broken, self._broken_cause) from None
-        self._receive(frames)
-
-    def _next_completions(self, deadline: float) -> list:
-        """One bounded wait for completions; returns the frames that arrived (empty: none yet).
-
-        After a request that woke the sidecar (it was asleep: this answer needs a wake-up
-        anyway) this sleeps at once, in one native call (``RingConsumer.wait_pop``): after an
-        idle gap every line here runs cold.  Otherwise it spins first, on the doorbell.  The
-        sidecar's liveness is checked only when a slice ends without progress, so the fast path
-        costs no system call; a dead sidecar is noticed within one ``liveness_slice_s``."""
-        if self._broken is not None or self._ctl is None:
-            self._check_alive()
-        completions = self._completions
-        try:
-            now = time.monotonic()
-            if now >= deadline:
-                frames = completions.pop_batch(256)  # what arrived by the deadline, the caller takes
-            elif self._woke_sidecar:
-                frames = completions.wait_pop(self._doorbell, min(self.liveness_slice_s, deadline - now), 256)
-            else:
-                self._doorbell.wait(completions.has_data, min(self.liveness_slice_s, deadline - now), self.spin_s)
-                frames = completions.pop_batch(256)
-        except RingCorrupted as exc:
-            self.mark_broken(f"completion ring unusable: {exc}")
-            raise SidecarUnavailable(self._broken, self._broken_cause) from None
-        if frames:
-            return frames
-        self._check_alive()
-        if time.monotonic() >= deadline:
-            raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
-        return frames
-
-    def _receive(self, frames: list) -> None:
+        if not frames:
+            return
+        if self._completions.producer_waiting():
+            self._ctl.sidecar_doorbell.ring()  # the sidecar has completions waiting for space
         for data in frames:
             try:
                 reply = protocol.decode_completion(data, self.limits)
@@ -294,18 +268,24 @@ class SidecarClient:
                 continue
             self._pending[reply["id"]] = reply
 
-    def _wait_for_space(self, ready, deadline: float) -> None:
-        """One bounded wait on our doorbell for submit-ring space (``ready``); the sidecar's
-        liveness is checked when the slice ends without it (as in :meth:`_next_completions`)."""
+    def _wait_slice(self, ready, deadline: float, busy: bool = False, spin: bool = True) -> None:
+        """One bounded wait on our doorbell (spinning first only with ``spin``).
+
+        The sidecar's liveness is checked only when a slice ends without progress,
+        so the fast path costs no system call; a dead sidecar is noticed within
+        one ``liveness_slice_s``.
+        """
         now = time.monotonic()
         if now < deadline:
-            if self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s):
+            if self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s if spin else 0.0):
                 return
         elif ready():
-            return
+            return  # it arrived by the deadline: the caller takes it
         self._check_alive()
         if time.monotonic() >= deadline:
-            raise SidecarBusy("submit ring full until the deadline", UnavailableCause.TIMED_OUT)
+            if busy:
+                raise SidecarBusy("submit ring full until the deadline", UnavailableCause.TIMED_OUT)
+            raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
 
     def mark_broken(self, reason: str, cause: UnavailableCause = UnavailableCause.BROKEN) -> None:
         """This connection can no longer be used (calls raise ``SidecarUnavailable(cause)``; ``attached``

@@ -45,7 +45,6 @@ import os
 import time
 
 from kvsidecar._native import atomics as _a
-from kvsidecar._native import ring as _native
 
 DOORBELL_BYTES = 8
 _YIELD_AFTER_S = 30e-6  # spin this long before yielding the CPU between chunks
@@ -54,16 +53,15 @@ SPIN_MISSES = 2  # unpaid spins in a row before spinning is skipped
 SPIN_SKIP = 16  # waits that then sleep at once before the next probe spin
 
 
-class Doorbell(_native.Bell):
-    """The waiter's side of the protocol (spin, then sleep), over the native :class:`Bell`
-    (``seq_addr``, ``sleeping_addr``, ``wakeups_posted``, and ``ring()``: the poster's side, one
-    native call that returns True when a futex wake-up was posted).  A waiter whose condition is
-    "this ring has a frame" sleeps by ``RingConsumer.wait_pop`` instead: the same protocol, native."""
-
-    __slots__ = ("spin_s", "_misses", "_skip", "spins_paid", "spins_unpaid", "spins_skipped")
+class Doorbell:
+    __slots__ = ("seq_addr", "sleeping_addr", "spin_s", "wakeups_posted", "_misses", "_skip",
+                 "spins_paid", "spins_unpaid", "spins_skipped")
 
     def __init__(self, base_address: int, offset: int, spin_s: float = 50e-6):
+        self.seq_addr = base_address + offset
+        self.sleeping_addr = base_address + offset + 4
         self.spin_s = spin_s
+        self.wakeups_posted = 0
         self._misses = 0
         self._skip = 0
         self.spins_paid = self.spins_unpaid = self.spins_skipped = 0
@@ -78,6 +76,13 @@ class Doorbell(_native.Bell):
         if self._misses >= SPIN_MISSES:
             self._misses = 0
             self._skip = SPIN_SKIP
+
+    def ring(self) -> bool:
+        """Signal the waiter.  Returns True when a futex wake-up was posted."""
+        if _a.doorbell_ring(self.seq_addr, self.sleeping_addr):  # the protocol's post, one native call
+            self.wakeups_posted += 1
+            return True
+        return False
 
     def wait(self, ready, timeout_s: float, spin_s: float | None = None, recheck: bool = True) -> bool:
         """Block until ``ready()`` is true or ``timeout_s`` passes; returns ``ready()``.
@@ -133,12 +138,10 @@ class Doorbell(_native.Bell):
         _a.fence()
         try:
             if ready():
-                _a.store_release_u32(self.sleeping_addr, 0)
                 return True
-        except BaseException:
+            woken = _a.futex_wait(self.seq_addr, observed, timeout_s)
+        finally:
             _a.store_release_u32(self.sleeping_addr, 0)
-            raise
-        woken = self.sleep(observed, timeout_s)  # native: futex_wait, then clears ``sleeping``
         return ready() if recheck or not woken else True
 
     def sleeping(self) -> bool:
