@@ -241,7 +241,9 @@ def test_pool_threads_ride_out_a_restart(sidecar_factory, instance, tmp_path):
     seen_generations = set()
 
     def store_and_read(c, t, n):
-        chain = c.hasher.chain([t * 1000 + n] * 8)
+        # one chain per (thread, call): while the sidecar is down the threads spin through tens of
+        # thousands of misses, so a key like t * 1000 + n would name another thread's chain
+        chain = c.hasher.chain([t, n] * 4)
         st = c.store(chain)
         view = c.pool.view
         for i, b in enumerate(st.blocks):
