@@ -28,7 +28,8 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 XXHASH = "native/third_party/xxhash"
 
 EXTENSIONS = [
-    Extension(f"kvsidecar._native.{mod}", [f"native/{mod}.pyx"], extra_compile_args=["-O2"])
+    Extension(f"kvsidecar._native.{mod}", [f"native/{mod}.pyx"], include_dirs=["native"],
+              depends=["native/kvs_sync.h"], extra_compile_args=["-O2"])
     for mod in ("atomics", "hashing", "copy", "blockindex", "ring")
 ] + [
     # XXH3 from vendored xxHash 0.8.4 (BSD-2-Clause, native/third_party/xxhash/LICENSE.xxhash)

@@ -27,6 +27,7 @@ import select
 import time
 
 from kvsidecar.shm import protocol
+from kvsidecar.shm.protocol import PROTOCOL_VERSION
 from kvsidecar.shm.control import STATE_READY, ControlSegment, describe_slot_holders, process_start_ticks
 from kvsidecar.shm.deathword import DEATH_WORD_OFFSET, DeathSentinel
 from kvsidecar.shm.errors import (
@@ -121,7 +122,8 @@ class SidecarClient:
         # down its address space, so the sidecar reclaims us fast whatever we mapped (kvsidecar.shm.deathword)
         self._sentinel = DeathSentinel(ctl.slot_addr(self.slot) + DEATH_WORD_OFFSET)
         self._submit = ctl.submit_producer(self.slot)
-        self._completions = ctl.completion_consumer(self.slot)
+        # pop_batch rings the sidecar when it waits for completion space (the ring's rule 3)
+        self._completions = ctl.completion_consumer(self.slot, waker=ctl.sidecar_doorbell)
         self._doorbell = ctl.client_doorbell(self.slot)
         ctl.bump_slot_epoch()
         try:
@@ -199,7 +201,7 @@ class SidecarClient:
 
     def send(self, op: str, *, timeout_s: float | None = None, **fields) -> int:
         """Queue one request; returns its id.  Waits (bounded) while the submit ring is full."""
-        msg = {"v": protocol.PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
+        msg = {"v": PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
         for k, v in fields.items():
             if v is not None:
                 msg[k] = v
@@ -218,27 +220,51 @@ class SidecarClient:
                     if self._submit.mark_waiting():
                         continue
                     self._ctl.sidecar_doorbell.ring()
-                    self._wait_slice(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline, busy=True)
+                    self._wait_for_space(lambda: self._submit.free_bytes() >= len(frame) + 16, deadline)
         except RingCorrupted as exc:
             self.mark_broken(f"submit ring unusable: {exc}")
             raise SidecarUnavailable(self._broken, self._broken_cause) from None
         self._woke_sidecar = self._ctl.sidecar_doorbell.ring()
 
     def wait(self, rid: int, timeout_s: float | None = None) -> dict:
-        """Wait for the completion of request ``rid``."""
+        """Wait for the completion of request ``rid``.
+
+        Each pass is one bounded wait for completions.  After a request that woke the sidecar (it
+        was asleep: this answer needs a wake-up anyway) it sleeps at once, in one native call
+        (``RingConsumer.wait_pop``); otherwise it spins first, on the doorbell.  After an idle gap
+        every line here runs cold, so the pass is written out here rather than called.  The
+        sidecar's liveness is checked only when a pass ends without progress, so the fast path
+        costs no system call; a dead sidecar is noticed within one ``liveness_slice_s``."""
         reply = self._pending.pop(rid, None)
         if reply is not None:
             return reply
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        ready = self._completions.has_data
+        now = time.monotonic()
+        deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
+        completions = self._completions
         while True:
-            # the doorbell's own ready() check comes first: a completion already there is
-            # drained at once, and a request still in flight goes to sleep by the shortest path
-            self._wait_slice(ready, deadline, spin=not self._woke_sidecar)
-            self._drain_completions()
-            reply = self._pending.pop(rid, None)
-            if reply is not None:
-                return reply
+            if self._broken is not None or self._ctl is None:
+                self._check_alive()
+            try:
+                if now >= deadline:
+                    frames = completions.pop_batch(256)  # what arrived by the deadline, the caller takes
+                elif self._woke_sidecar:
+                    frames = completions.wait_pop(self._doorbell, min(self.liveness_slice_s, deadline - now), 256)
+                else:
+                    self._doorbell.wait(completions.has_data, min(self.liveness_slice_s, deadline - now), self.spin_s)
+                    frames = completions.pop_batch(256)
+            except RingCorrupted as exc:
+                self.mark_broken(f"completion ring unusable: {exc}")
+                raise SidecarUnavailable(self._broken, self._broken_cause) from None
+            if frames:
+                self._receive(frames)
+                reply = self._pending.pop(rid, None)
+                if reply is not None:
+                    return reply
+            else:
+                self._check_alive()
+            now = time.monotonic()
+            if now >= deadline and not frames:
+                raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
 
     def poll_completions(self) -> list[dict]:
         """Non-blocking: every completion that arrived (and any read ahead)."""
@@ -256,10 +282,9 @@ class SidecarClient:
         except RingCorrupted as exc:
             self.mark_broken(f"completion ring unusable: {exc}")
             raise SidecarUnavailable(self._broken, self._broken_cause) from None
-        if not frames:
-            return
-        if self._completions.producer_waiting():
-            self._ctl.sidecar_doorbell.ring()  # the sidecar has completions waiting for space
+        self._receive(frames)
+
+    def _receive(self, frames: list) -> None:
         for data in frames:
             try:
                 reply = protocol.decode_completion(data, self.limits)
@@ -268,24 +293,18 @@ class SidecarClient:
                 continue
             self._pending[reply["id"]] = reply
 
-    def _wait_slice(self, ready, deadline: float, busy: bool = False, spin: bool = True) -> None:
-        """One bounded wait on our doorbell (spinning first only with ``spin``).
-
-        The sidecar's liveness is checked only when a slice ends without progress,
-        so the fast path costs no system call; a dead sidecar is noticed within
-        one ``liveness_slice_s``.
-        """
+    def _wait_for_space(self, ready, deadline: float) -> None:
+        """One bounded wait on our doorbell for submit-ring space (``ready``); the sidecar's
+        liveness is checked when the slice ends without it (as in :meth:`wait`)."""
         now = time.monotonic()
         if now < deadline:
-            if self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s if spin else 0.0):
+            if self._doorbell.wait(ready, min(self.liveness_slice_s, deadline - now), self.spin_s):
                 return
         elif ready():
-            return  # it arrived by the deadline: the caller takes it
+            return
         self._check_alive()
         if time.monotonic() >= deadline:
-            if busy:
-                raise SidecarBusy("submit ring full until the deadline", UnavailableCause.TIMED_OUT)
-            raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
+            raise SidecarBusy("submit ring full until the deadline", UnavailableCause.TIMED_OUT)
 
     def mark_broken(self, reason: str, cause: UnavailableCause = UnavailableCause.BROKEN) -> None:
         """This connection can no longer be used (calls raise ``SidecarUnavailable(cause)``; ``attached``

@@ -224,14 +224,16 @@ class ControlSegment:
     def submit_producer(self, i: int) -> RingProducer:
         return RingProducer(self.segment, self._ring_off(i, 0), self.ring_capacity)
 
-    def submit_consumer(self, i: int, max_frame: int | None = None) -> RingConsumer:
-        return RingConsumer(self.segment, self._ring_off(i, 0), self.ring_capacity, max_frame)
+    def submit_consumer(self, i: int, max_frame: int | None = None, waker=None) -> RingConsumer:
+        """``waker``: the client's doorbell, rung by ``pop_batch`` when the client waits for space."""
+        return RingConsumer(self.segment, self._ring_off(i, 0), self.ring_capacity, max_frame, waker)
 
     def completion_producer(self, i: int) -> RingProducer:
         return RingProducer(self.segment, self._ring_off(i, 1), self.ring_capacity)
 
-    def completion_consumer(self, i: int) -> RingConsumer:
-        return RingConsumer(self.segment, self._ring_off(i, 1), self.ring_capacity)
+    def completion_consumer(self, i: int, waker=None) -> RingConsumer:
+        """``waker``: the sidecar's doorbell, rung by ``pop_batch`` when the sidecar waits for space."""
+        return RingConsumer(self.segment, self._ring_off(i, 1), self.ring_capacity, waker=waker)
 
     # -- stats blob (seqlock: writer is the sidecar's control thread only) ----------------------
     # Memory ordering (one writer, any number of read-only readers in other processes):

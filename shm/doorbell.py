@@ -26,7 +26,8 @@ idle or CPU-starved traffic sleeps like a socket.  Spinning never changes what a
 wait returns, only how soon.
 
 After a wake-up every line here runs cold (the idle gap let other work evict it), so a wait
-that does not spin goes straight to sleep (:meth:`Doorbell._sleep`), and a caller that
+that does not spin goes straight to sleep (the native ``Bell.sleep``: publish, fence, re-check,
+``futex_wait``, clear), and a caller that
 re-checks its own condition at once passes ``recheck=False`` (the control loop: its next
 step serves what woke it, so a second scan inside the wait would only delay that).
 
@@ -45,6 +46,7 @@ import os
 import time
 
 from kvsidecar._native import atomics as _a
+from kvsidecar._native import ring as _native
 
 DOORBELL_BYTES = 8
 _YIELD_AFTER_S = 30e-6  # spin this long before yielding the CPU between chunks
@@ -53,15 +55,16 @@ SPIN_MISSES = 2  # unpaid spins in a row before spinning is skipped
 SPIN_SKIP = 16  # waits that then sleep at once before the next probe spin
 
 
-class Doorbell:
-    __slots__ = ("seq_addr", "sleeping_addr", "spin_s", "wakeups_posted", "_misses", "_skip",
-                 "spins_paid", "spins_unpaid", "spins_skipped")
+class Doorbell(_native.Bell):
+    """The waiter's side of the protocol (spin, then sleep), over the native :class:`Bell`
+    (``seq_addr``, ``sleeping_addr``, ``wakeups_posted``, and ``ring()``: the poster's side, one
+    native call that returns True when a futex wake-up was posted).  A waiter whose condition is
+    "this ring has a frame" sleeps by ``RingConsumer.wait_pop`` instead: the same protocol, native."""
+
+    __slots__ = ("spin_s", "_misses", "_skip", "spins_paid", "spins_unpaid", "spins_skipped")
 
     def __init__(self, base_address: int, offset: int, spin_s: float = 50e-6):
-        self.seq_addr = base_address + offset
-        self.sleeping_addr = base_address + offset + 4
         self.spin_s = spin_s
-        self.wakeups_posted = 0
         self._misses = 0
         self._skip = 0
         self.spins_paid = self.spins_unpaid = self.spins_skipped = 0
@@ -76,13 +79,6 @@ class Doorbell:
         if self._misses >= SPIN_MISSES:
             self._misses = 0
             self._skip = SPIN_SKIP
-
-    def ring(self) -> bool:
-        """Signal the waiter.  Returns True when a futex wake-up was posted."""
-        if _a.doorbell_ring(self.seq_addr, self.sleeping_addr):  # the protocol's post, one native call
-            self.wakeups_posted += 1
-            return True
-        return False
 
     def wait(self, ready, timeout_s: float, spin_s: float | None = None, recheck: bool = True) -> bool:
         """Block until ``ready()`` is true or ``timeout_s`` passes; returns ``ready()``.
@@ -104,7 +100,7 @@ class Doorbell:
             self.spins_skipped += 1
             spin = 0.0
         if spin <= 0:
-            return self._sleep(ready, observed, timeout_s, recheck)
+            return self.sleep(ready, observed, timeout_s, recheck)  # native: the shortest path
         spin = min(spin, timeout_s)
         start = time.perf_counter()
         end = start + spin
@@ -129,20 +125,7 @@ class Doorbell:
         remaining = timeout_s - (time.perf_counter() - start)
         if remaining <= 0:
             return ready()
-        return self._sleep(ready, observed, remaining, recheck)
-
-    def _sleep(self, ready, observed: int, timeout_s: float, recheck: bool) -> bool:
-        if timeout_s <= 0:
-            return ready()
-        _a.store_release_u32(self.sleeping_addr, 1)
-        _a.fence()
-        try:
-            if ready():
-                return True
-            woken = _a.futex_wait(self.seq_addr, observed, timeout_s)
-        finally:
-            _a.store_release_u32(self.sleeping_addr, 0)
-        return ready() if recheck or not woken else True
+        return self.sleep(ready, observed, remaining, recheck)
 
     def sleeping(self) -> bool:
         return bool(_a.load_acquire_u32(self.sleeping_addr))

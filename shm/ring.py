@@ -37,7 +37,7 @@ from __future__ import annotations
 
 
 from kvsidecar._native import atomics as _a
-from kvsidecar._native import ring as _native
+from kvsidecar._native import ring as _native  # the hot halves: push, pop, wait-and-pop
 
 from .errors import ProtocolError, ErrorCode
 
@@ -69,19 +69,16 @@ class Oversize(int):
 
 
 class _RingBase:
-    def __init__(self, segment, offset: int, capacity: int):
-        if capacity & (capacity - 1) or capacity < 64:
-            raise ValueError("ring capacity must be a power of two >= 64")
-        self.capacity = capacity
-        self.mask = capacity - 1
-        base = segment.address + offset
-        self.base = base
-        self.head_addr = base + _HEAD
-        self.tail_addr = base + _TAIL
-        self.waiting_addr = base + _WAITING
+    """What both ends share: the addresses and the segment's view (the native end keeps ``base``,
+    ``capacity`` and its own index)."""
+
+    def _setup(self, segment, offset: int) -> None:
+        self.mask = self.capacity - 1
+        self.head_addr = self.base + _HEAD
+        self.tail_addr = self.base + _TAIL
+        self.waiting_addr = self.base + _WAITING
         self.data_off = offset + RING_HEADER_BYTES
         self.view = segment.view
-        self.max_payload = capacity // 2 - 8
 
     def depth(self) -> int:
         """Bytes in flight (a snapshot; exact only for the calling side's own index)."""
@@ -93,31 +90,25 @@ class _RingBase:
         _a.store_release_u32(self.waiting_addr, 0)
 
 
-class RingProducer(_RingBase):
-    """The writing side.  Exactly one producer per ring."""
+def _checked(capacity: int) -> int:
+    if capacity & (capacity - 1) or capacity < 64:
+        raise ValueError("ring capacity must be a power of two >= 64")
+    return capacity
+
+
+class RingProducer(_native.Producer, _RingBase):
+    """The writing side.  Exactly one producer per ring.
+
+    ``try_push(payload)`` (native) appends one frame, or returns False with nothing written when it
+    does not fit now; it raises :class:`RingCorrupted` when the consumer's ``head`` is impossible
+    (behind by more than ``capacity``, ahead of ``tail``, unaligned): a hostile consumer then loses
+    its ring instead of wedging the producer's back-pressure."""
+
+    def __new__(cls, segment, offset: int, capacity: int):
+        return super().__new__(cls, segment.address + offset, _checked(capacity), RingCorrupted)
 
     def __init__(self, segment, offset: int, capacity: int):
-        super().__init__(segment, offset, capacity)
-        self._tail = _a.load_acquire_u64(self.tail_addr)
-
-    def try_push(self, payload) -> bool:
-        """Append one frame; False (and nothing written) when it does not fit now.
-
-        Raises :class:`RingCorrupted` when the consumer's ``head`` is impossible (behind
-        by more than ``capacity``, ahead of ``tail``, unaligned): a hostile consumer then
-        loses its ring instead of wedging the producer's back-pressure.  The frame is
-        written by ``kvsidecar._native.ring.push`` (one call: this runs cold after idle).
-        """
-        if len(payload) > self.max_payload:
-            raise ValueError(f"frame of {len(payload)} bytes exceeds ring bound {self.max_payload}")
-        try:
-            tail = _native.push(self.base, self.capacity, self._tail, payload)
-        except RuntimeError as exc:
-            raise RingCorrupted(str(exc)) from None
-        if not tail:
-            return False
-        self._tail = tail
-        return True
+        self._setup(segment, offset)
 
     def mark_waiting(self) -> bool:
         """Ask for a wake-up when space frees (rule 3).  True if space appeared meanwhile."""
@@ -137,38 +128,30 @@ class RingProducer(_RingBase):
         return used == 0
 
 
-class RingConsumer(_RingBase):
-    """The reading side.  Exactly one consumer per ring."""
+class RingConsumer(_native.Consumer, _RingBase):
+    """The reading side.  Exactly one consumer per ring.
 
-    def __init__(self, segment, offset: int, capacity: int, max_frame: int | None = None):
-        super().__init__(segment, offset, capacity)
-        self._head = _a.load_acquire_u64(self.head_addr)
-        self.max_frame = min(max_frame or self.max_payload, self.max_payload)
+    Native: ``has_data()``; ``pop_batch(limit)`` copies out up to ``limit`` frames (as bytes; one
+    over ``max_frame`` as :class:`Oversize`) and releases their space, raising
+    :class:`RingCorrupted` on anything a correct producer cannot write (indices out of order or
+    more than ``capacity`` apart, a length running past the data area or past ``tail``, a wrap
+    marker where a frame would have fitted) with nothing of that batch returned, the ring then
+    unusable until ``reset``; ``wait_pop(bell, timeout_s)`` sleeps on ``bell`` until a frame is
+    there, then pops.  With ``waker`` (the producer's doorbell) ``pop_batch`` also does rule 3:
+    it clears the producer's ``waiting`` flag and rings it; without, the caller asks
+    :meth:`producer_waiting`."""
 
-    def has_data(self) -> bool:
-        return _a.load_acquire_u64(self.tail_addr) != self._head
+    def __new__(cls, segment, offset: int, capacity: int, max_frame: int | None = None, waker=None):
+        bound = _checked(capacity) // 2 - 8
+        return super().__new__(cls, segment.address + offset, capacity, min(max_frame or bound, bound),
+                               RingCorrupted, Oversize, waker)
 
-    def pop_batch(self, limit: int = 64) -> list:
-        """Copy out up to ``limit`` frames (as bytes) and release their space.
-
-        Raises :class:`RingCorrupted` on anything a correct producer cannot write:
-        indices out of order or more than ``capacity`` apart, a length running past
-        the data area or past ``tail``, a wrap marker where a frame would have fitted
-        (at offset 0, or with ``tail`` inside the skipped bytes).  Nothing of a batch
-        that turns out corrupt is returned (no stale or torn frame is ever executed);
-        the ring is then unusable until ``reset``.  Every loop iteration consumes
-        bytes and counts against ``limit`` (a wrap skip included), so a hostile
-        producer cannot keep the caller here.  The batch is copied by
-        ``kvsidecar._native.ring.pop_batch`` (one call: this runs cold after idle).
-        """
-        try:
-            self._head, out = _native.pop_batch(self.base, self.capacity, self._head, limit, self.max_frame, Oversize)
-        except RuntimeError as exc:
-            raise RingCorrupted(str(exc)) from None
-        return out
+    def __init__(self, segment, offset: int, capacity: int, max_frame: int | None = None, waker=None):
+        self._setup(segment, offset)
 
     def producer_waiting(self) -> bool:
-        """After consuming: True (and the flag cleared) when the producer asked for a wake-up."""
+        """After consuming (a consumer without ``waker``): True (and the flag cleared) when the
+        producer asked for a wake-up."""
         _a.fence()  # rule 3
         if _a.load_acquire_u32(self.waiting_addr):
             _a.store_release_u32(self.waiting_addr, 0)

@@ -35,9 +35,9 @@ class ClientConn:
         self.slot = slot
         self.pid = pid
         self.token = token  # distinguishes incarnations of the same slot
-        self.submit = ctl.submit_consumer(slot, max_frame)
-        self.completion = ctl.completion_producer(slot)
         self.doorbell = ctl.client_doorbell(slot)
+        self.submit = ctl.submit_consumer(slot, max_frame, waker=self.doorbell)  # rule 3 inside pop_batch
+        self.completion = ctl.completion_producer(slot)
         self.outbox: collections.deque = collections.deque()
         self.encoder = protocol.Encoder(protocol.Limits(max_frame_bytes=max_frame))
         self.info: ClientInfo | None = None

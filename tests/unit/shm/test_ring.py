@@ -138,3 +138,56 @@ def test_million_messages_across_processes(instance):
     finally:
         seg.unlink()
         seg.close()
+
+
+def _native_bell(seg, offset):
+    from kvsidecar.shm.doorbell import Doorbell
+
+    return Doorbell(seg.address, offset)
+
+
+def test_pop_batch_rings_a_waiting_producer_through_its_waker(ring_seg):
+    """Rule 3 inside the native pop: a consumer that knows the producer's bell clears the
+    producer's ``waiting`` flag and rings it; with no flag set it rings nothing."""
+    cap = 1024
+    bell = _native_bell(ring_seg, ring_region_bytes(cap))
+    prod, cons = RingProducer(ring_seg, 0, cap), RingConsumer(ring_seg, 0, cap, waker=bell)
+    seq = lambda: struct.unpack_from("<I", ring_seg.view, ring_region_bytes(cap))[0]  # noqa: E731
+    assert prod.try_push(b"a")
+    before = seq()
+    assert cons.pop_batch() == [b"a"]
+    assert seq() == before  # nobody asked
+    assert prod.try_push(b"b")
+    prod.mark_waiting()
+    struct.pack_into("<I", ring_seg.view, ring_region_bytes(cap) + 4, 1)  # the producer sleeps on it
+    assert cons.pop_batch() == [b"b"]
+    assert seq() == before + 1 and bell.wakeups_posted == 1  # rung, with a futex wake
+    assert struct.unpack_from("<I", ring_seg.view, cons.waiting_addr - cons.base)[0] == 0  # flag cleared
+    assert cons.pop_batch() == [] and seq() == before + 1
+
+
+def test_wait_pop_returns_frames_at_once_times_out_empty_and_wakes_on_a_ring(ring_seg):
+    import threading
+
+    from ...waiting import wait_until
+
+    cap = 1024
+    bell = _native_bell(ring_seg, ring_region_bytes(cap))
+    prod, cons = RingProducer(ring_seg, 0, cap), RingConsumer(ring_seg, 0, cap)
+    assert prod.try_push(b"here")
+    assert cons.wait_pop(bell, 10.0) == [b"here"]  # data already there: no sleep
+    assert cons.wait_pop(bell, 0.01) == [] and not bell.sleeping()  # a timeout, flag cleared
+    posted = []
+
+    def poster():
+        wait_until(bell.sleeping, 5, "the consumer asleep on the bell", interval_s=0.001)
+        assert prod.try_push(b"late")
+        posted.append(bell.ring())
+
+    t = threading.Thread(target=poster)
+    t.start()
+    assert cons.wait_pop(bell, 10.0) == [b"late"]
+    t.join(5)
+    assert posted == [True] and not bell.sleeping()  # it really slept, and the ring woke it
+    with pytest.raises(ValueError):
+        cons.wait_pop(bell, -1.0)
