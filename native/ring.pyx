@@ -120,6 +120,40 @@ cdef class Bell:
             return True
         return bool(ready())
 
+    def sleep_scan(self, tuple consumers, uint32_t observed, double timeout_s):
+        """The waiter's sleep with "one of ``consumers``' rings has a frame" as its condition,
+        read natively: returns the index of the first consumer whose ring has a frame, or -1
+        (woken for something else, or the timeout).  The caller read ``seq`` as ``observed``
+        before it checked its other conditions; their posters ring this bell, so ``seq`` has
+        moved and ``futex_wait`` returns at once if one came true since (nothing is lost).
+        The control loop's idle sleep: what it needs first after the wake-up, natively."""
+        cdef int64_t ns = <int64_t>(timeout_s * 1e9)
+        cdef Py_ssize_t i = _first_with_data(consumers)
+        cdef int r
+        if i >= 0 or ns <= 0:
+            return i
+        self.announce()
+        i = _first_with_data(consumers)
+        if i >= 0:
+            self.doze(observed, 0)
+            return i
+        with nogil:
+            r = self.doze(observed, ns)
+        if r < 0:
+            raise OSError(-r, "futex wait failed")
+        return _first_with_data(consumers)
+
+
+cdef Py_ssize_t _first_with_data(tuple consumers):
+    """Index of the first :class:`Consumer` in ``consumers`` whose ring holds a frame, or -1."""
+    cdef Py_ssize_t i
+    cdef Consumer c
+    for i in range(len(consumers)):
+        c = <Consumer>consumers[i]
+        if kvs_load_acq64(c.base + TAIL) != c._head:
+            return i
+    return -1
+
 
 cdef class Producer:
     """The writing end of one ring (exactly one per ring)."""

@@ -127,5 +127,16 @@ class Doorbell(_native.Bell):
             return ready()
         return self.sleep(ready, observed, remaining, recheck)
 
+    def sleep_rings(self, ready, consumers: tuple, timeout_s: float) -> int:
+        """Sleep at once (no spin) until ``ready()`` or a frame in one of ``consumers``' rings;
+        returns the index of the first of them with a frame after the wake-up, else -1 (the
+        caller then checks its own condition, as after :meth:`wait` with ``recheck=False``).
+        The rings are re-checked natively (``Bell.sleep_scan``): a waiter that serves the ring
+        that woke it before anything else starts on it without a scan in Python."""
+        observed = _a.load_acquire_u32(self.seq_addr)
+        if ready():
+            return -1
+        return self.sleep_scan(consumers, observed, timeout_s)
+
     def sleeping(self) -> bool:
         return bool(_a.load_acquire_u32(self.sleeping_addr))

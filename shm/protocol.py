@@ -90,14 +90,14 @@ OP_SCHEMAS: dict[str, OpSchema] = {
 class Encoder:
     """msgpack packing with a reused ``Packer`` (one per thread of use; not thread-safe)."""
 
-    __slots__ = ("_pack", "max_frame_bytes")
+    __slots__ = ("pack", "max_frame_bytes")
 
     def __init__(self, limits: "Limits" = None):
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self.pack = msgpack.Packer(use_bin_type=True).pack  # no size check: for a caller that checks
         self.max_frame_bytes = (limits or DEFAULT_LIMITS).max_frame_bytes
 
     def encode(self, msg: dict) -> bytes:
-        data = self._pack(msg)
+        data = self.pack(msg)
         if len(data) > self.max_frame_bytes:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes over {self.max_frame_bytes}")
         return data

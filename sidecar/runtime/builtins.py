@@ -58,7 +58,7 @@ class BuiltinOps(Service):
         if theirs is not None:
             for svc in self.host.services:
                 svc.validate_attach(conn, msg)
-        conn.info = ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"], kv=theirs is not None)
+        conn.attached_as(ClientInfo(msg["group"], msg["rank"], msg["group_size"], msg["pid"], kv=theirs is not None))
         self.ctl.set_slot(conn.slot, conn.pid, SLOT_ACTIVE)
         self.host.counters["attaches"] += 1
         return {"slot": conn.slot, "generation": self.ctl.generation, "pool": self.ctl.pool_name,

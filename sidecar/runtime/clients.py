@@ -31,7 +31,8 @@ class ClientInfo:
 
 
 class ClientConn:
-    def __init__(self, ctl: ControlSegment, slot: int, pid: int, max_frame: int, token: int):
+    def __init__(self, ctl: ControlSegment, slot: int, pid: int, max_frame: int, token: int,
+                 route_tables: tuple[dict, dict, dict] = ({}, {}, {})):
         self.slot = slot
         self.pid = pid
         self.token = token  # distinguishes incarnations of the same slot
@@ -40,7 +41,11 @@ class ClientConn:
         self.completion = ctl.completion_producer(slot)
         self.outbox: collections.deque = collections.deque()
         self.encoder = protocol.Encoder(protocol.Limits(max_frame_bytes=max_frame))
+        self.pack = self.encoder.pack  # msgpack without the size check (the loop checks max_frame)
+        self.max_frame = max_frame
         self.info: ClientInfo | None = None
+        self._route_tables = route_tables  # op -> handler: before attach, observer, KV attach
+        self.routes: dict = route_tables[0]  # what this client may call now (set by attached_as)
         self.detaching = False
         self.requests = 0
         self.errors = 0
@@ -49,6 +54,11 @@ class ClientConn:
     @property
     def attached(self) -> bool:
         return self.info is not None
+
+    def attached_as(self, info: ClientInfo) -> None:
+        """The attach succeeded: record who the client is and open the ops it may now call."""
+        self.info = info
+        self.routes = self._route_tables[2 if info.kv else 1]
 
     def send(self, completion: dict) -> None:
         """Queue a completion; it goes straight into the ring unless an outbox backlog exists."""

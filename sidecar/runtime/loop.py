@@ -69,8 +69,12 @@ class ControlLoop:
         self.doorbell = ctl.sidecar_doorbell
         self.clients: dict[int, ClientConn] = {}
         self._serving: tuple[ClientConn, ...] = ()  # clients.values(), rebuilt when it changes
+        self._submits: tuple = ()  # their submit rings, in the same order (the idle sleep's condition)
         self.handlers: dict[str, object] = {}
-        self._routes: dict[str, tuple] = {}  # op -> (handler, needs a KV attach): one lookup per request
+        self._routes: dict[str, tuple] = {}  # op -> (handler, needs a KV attach)
+        # what a client may call in each state (op -> handler), so a request is one lookup in its
+        # client's table: before attach, attached as an observer, attached with a KV layout
+        self._route_tables: tuple[dict, dict, dict] = ({}, {}, {})
         self.services: list[Service] = []
         self.counters: collections.Counter = collections.Counter()  # free-form: the loop's and services'
         self.op_counts: collections.Counter = collections.Counter()  # op name -> dispatched
@@ -117,6 +121,13 @@ class ControlLoop:
                 raise ValueError(f"op {name!r} is served twice")
         self.handlers.update(ops)
         self._routes.update((name, (fn, protocol.OP_SCHEMAS[name].kv)) for name, fn in ops.items())
+        before, observer, kv = self._route_tables  # updated in place: a client holds one of them
+        for name, fn in ops.items():
+            if name in ("attach", "detach"):
+                before[name] = fn
+            if not protocol.OP_SCHEMAS[name].kv:
+                observer[name] = fn
+            kv[name] = fn
         self.services.append(service)
 
     def check(self) -> str:
@@ -150,7 +161,14 @@ class ControlLoop:
                 spin = spin_s if not self._woke_client or now - self._slept_at < 2 * spin_s else 0.0
                 self._woke_client = False
                 self._slept_at = now
-                self.doorbell.wait(self._has_work, timeout, spin, recheck=False)  # _step re-checks
+                if spin > 0:
+                    self.doorbell.wait(self._has_work, timeout, spin, recheck=False)  # _step re-checks
+                    continue
+                # Idle: sleep at once; a request that wakes us is served before the rest of _step
+                # (after a wake-up the loop's lines are the request's latency: bench ring idle rows).
+                woken_by = self.doorbell.sleep_rings(self._has_work, self._submits, timeout)
+                if woken_by >= 0 and self._serve(self._serving[woken_by]):
+                    self.publisher.dirty = True
         finally:
             self.ctl.set_state(STATE_STOPPING)
             self._running = False
@@ -190,13 +208,8 @@ class ControlLoop:
         worked = False
         for conn in self._serving:
             # an idle client costs one native ring-index check here, not a full serve
-            if conn.outbox or conn.detaching or conn.submit.has_data():
-                try:
-                    if self._serve_rings(conn):
-                        worked = True
-                except RingCorrupted as exc:  # anything impossible in its rings drops that client only
-                    self._ring_corrupted(conn, exc)
-                    worked = True
+            if (conn.submit.has_data() or conn.outbox or conn.detaching) and self._serve(conn):
+                worked = True
         epoch = self.ctl.slot_epoch
         if epoch != self._epoch_seen:
             self._epoch_seen = epoch
@@ -226,12 +239,17 @@ class ControlLoop:
         for i in range(self.ctl.num_slots):
             pid, state = self.ctl.slot_state(i)
             if state == SLOT_CLAIMED and i not in self.clients:
-                conn = ClientConn(self.ctl, i, pid, self.limits.max_frame_bytes, next(self._tokens))
+                conn = ClientConn(self.ctl, i, pid, self.limits.max_frame_bytes, next(self._tokens),
+                                  self._route_tables)
                 self.clients[i] = conn
-                self._serving = tuple(self.clients.values())
+                self._clients_changed()
                 self.counters["clients_claimed"] += 1
                 if not self.liveness.watch((i, conn.token), pid, self.ctl.client_start_ticks(i)):
                     self._drop_client(conn, reason="dead before attach")
+
+    def _clients_changed(self) -> None:
+        self._serving = tuple(self.clients.values())
+        self._submits = tuple(conn.submit for conn in self._serving)
 
     def _check_exhaustions(self) -> None:
         """Clients that found every slot taken (they count it in the header and bump the slot
@@ -269,7 +287,7 @@ class ControlLoop:
         if self.clients.get(conn.slot) is not conn:
             return
         del self.clients[conn.slot]
-        self._serving = tuple(self.clients.values())
+        self._clients_changed()
         self.liveness.unwatch((conn.slot, conn.token))
         for svc in self.services:
             try:
@@ -292,41 +310,74 @@ class ControlLoop:
             log.warning("slot %d: %s; dropping the client (%d corrupt rings so far)", conn.slot, exc, n)
         self._drop_client(conn, reason="corrupt ring")
 
-    def _serve_rings(self, conn: ClientConn) -> bool:
-        """Handle a batch from one client; True if anything happened.  Raises RingCorrupted when
-        either of its rings holds something impossible (the caller drops that client)."""
-        worked = False
+    def _serve(self, conn: ClientConn) -> bool:
+        """Serve one client's rings; True if anything happened.  Anything impossible in them
+        (RingCorrupted) drops that client only.
+
+        Reply first (:meth:`_serve_submissions`): each completion goes straight into the ring,
+        the client's doorbell is rung, and only then is the batch counted.  After an idle gap
+        every line on this path runs cold and the client is waiting on the ring, so a line
+        before the ring is latency and a line after it runs while the client reads its reply."""
+        try:
+            if conn.outbox or conn.detaching:
+                return self._serve_backlog(conn)
+            return self._serve_submissions(conn)
+        except RingCorrupted as exc:
+            self._ring_corrupted(conn, exc)
+            return True
+
+    def _serve_backlog(self, conn: ClientConn) -> bool:
+        """A client with completions queued (outbox) or detaching: move the outbox first (its
+        submissions wait while it is not empty: back-pressure), drop it once its detach ack is
+        consumed."""
         if conn.outbox:
             if not conn.flush_outbox():
                 return False  # back-pressure: the client must drain completions first
-            worked = True
+            if conn.doorbell.ring():
+                self._woke_client = True
         if conn.detaching:
             if conn.completions_drained():
                 self._drop_client(conn, reason="detached")
-                return True
-            return worked
+            return True
+        self._serve_submissions(conn)
+        return True
+
+    def _serve_submissions(self, conn: ClientConn) -> bool:
+        """Serve a batch of ``conn``'s submit ring (its outbox is empty); True if there was one."""
         frames = conn.submit.pop_batch(64)  # rings the client when it waits for space (rule 3)
         if not frames:
-            return worked
+            return False
+        pack = conn.pack
+        push = conn.completion.try_push
+        outbox = conn.outbox
+        served = 0
         for data in frames:
+            served += 1
             completion = self._handle(conn, data)
             if completion is not None:
-                conn.send(completion)
+                data = pack(completion)  # protocol.Encoder.encode, written out
+                if len(data) > conn.max_frame:
+                    data = pack(self._error(conn, completion["id"], ErrorCode.INTERNAL,
+                                            f"completion of {len(data)} bytes over {conn.max_frame}"))
+                if outbox or not push(data):
+                    outbox.append(data)
             if conn.detaching:
                 break
-        if conn.outbox:
+        if outbox:
             conn.flush_outbox()
         if conn.doorbell.ring():
             self._woke_client = True
+        conn.requests += served
+        self.requests += served
         return True
 
     def _handle(self, conn: ClientConn, data: bytes) -> dict:
         """Decode, check and dispatch one frame; returns its completion (None: deferred).
 
-        This runs cold after every idle gap, so it is one table lookup per request and no call
-        that is not the decode, the handler or the completion (``bench ring``'s idle rows)."""
-        conn.requests += 1
-        self.requests += 1
+        This runs cold after every idle gap, so it is one lookup per request in the client's own
+        table of what it may call now (``ClientConn.routes``; a miss is sorted out in
+        :meth:`_refuse`) and no call that is not the decode or the handler (``bench ring``'s
+        idle rows)."""
         if type(data) is Oversize:
             return self._error(conn, None, ErrorCode.TOO_LARGE,
                                f"frame of {int(data)} bytes over {self.limits.max_frame_bytes}")
@@ -335,20 +386,13 @@ class ControlLoop:
         except ProtocolError as exc:
             return self._error(conn, exc.request_id, exc.code, exc.message)
         op = msg["op"]
-        rid = msg["id"]
-        route = self._routes.get(op)
-        if route is None:
-            return self._error(conn, rid, ErrorCode.UNKNOWN_OP, f"op {op!r} is not served by this sidecar")
-        info = conn.info
-        if info is None:
-            if op != "attach" and op != "detach":
-                return self._error(conn, rid, ErrorCode.NOT_ATTACHED, f"{op} before attach")
-        elif route[1] and not info.kv:
-            return self._error(conn, rid, ErrorCode.NOT_ATTACHED,
-                               f"{op} needs an attach with a KV layout (this client attached as an observer)")
+        handler = conn.routes.get(op)
+        if handler is None:
+            return self._refuse(conn, msg["id"], op)
         self.op_counts[op] += 1
+        rid = msg["id"]
         try:
-            result = route[0](conn, msg)
+            result = handler(conn, msg)
         except OpError as exc:
             return self._error(conn, rid, exc.code, exc.message)
         except ProtocolError as exc:
@@ -358,7 +402,18 @@ class ControlLoop:
             return self._error(conn, rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         if result is DEFERRED:
             return None
-        return ok_completion(rid, result)
+        result["id"] = rid  # protocol.ok_completion, written out: this is the request's path
+        result["ok"] = True
+        return result
+
+    def _refuse(self, conn: ClientConn, rid: int, op: str) -> dict:
+        """The completion of an op its client may not call now (not in ``conn.routes``)."""
+        if op not in self._routes:
+            return self._error(conn, rid, ErrorCode.UNKNOWN_OP, f"op {op!r} is not served by this sidecar")
+        if conn.info is None:
+            return self._error(conn, rid, ErrorCode.NOT_ATTACHED, f"{op} before attach")
+        return self._error(conn, rid, ErrorCode.NOT_ATTACHED,
+                           f"{op} needs an attach with a KV layout (this client attached as an observer)")
 
     def reply(self, conn: ClientConn, rid: int, result: dict | None = None, error=None) -> bool:
         """Complete a deferred request (control thread).  False if the client is gone."""
