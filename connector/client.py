@@ -196,31 +196,38 @@ class SidecarClient:
         """Send one request and wait for its completion; raises RemoteError on an error reply.
 
         The common case is written out here: the frame fits the ring, the ring woke a sleeping
-        sidecar (so the answer is a wake-up away and nothing is spun for), and one native
-        ``wait_pop`` brings back exactly this request's completion.  After an idle gap every
-        line runs cold (``bench ring``'s idle rows), so this path is the fewest lines there
-        are.  Anything else (ring full, a reply read ahead, the sidecar awake, no answer within
-        the first liveness slice) goes through :meth:`send_raw` and :meth:`wait`, which handle
-        every case; the deadline then counts from the end of that first slice."""
-        rid, frame = self._encode_request(op, fields)
+        sidecar (so the answer is a wake-up away and nothing is spun for), and one native call
+        (``RingConsumer.exchange``: push, ring, ``wait_pop``) brings back exactly this
+        request's completion.  After an idle gap every line runs cold (``bench ring``'s idle
+        rows), so this path is the fewest lines there are.  Anything else (ring full, the
+        sidecar awake, another completion first, no answer within the first liveness slice)
+        goes through :meth:`send_raw` and :meth:`wait`, which handle every case; the deadline
+        then counts from the end of that first slice."""
+        rid = next(self._ids)  # _encode_request, written out
+        msg = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
+        for k, v in fields.items():
+            if v is not None:
+                msg[k] = v
+        frame = self._encoder.encode(msg)
         if self._ctl is None or self._broken is not None:
             self._check_alive()
         try:
-            if self._submit.try_push(frame):
-                self._woke_sidecar = woke = self._sidecar_bell.ring()
-                if woke and not self._pending:
-                    frames = self._completions.wait_pop(
-                        self._doorbell, self.liveness_slice_s if timeout_s is None
-                        else min(timeout_s, self.liveness_slice_s), 256)
-                    if len(frames) == 1:
-                        reply = protocol.decode_completion(frames[0], self.limits)
-                        if reply["id"] == rid:
-                            if not reply["ok"]:
-                                raise RemoteError(reply.get("err", 0), reply.get("msg", ""), op)
-                            return reply
-                    self._receive(frames)
+            frames = self._completions.exchange(  # push, ring; wait_pop if that woke the sidecar
+                self._submit, frame, self._sidecar_bell, self._doorbell,
+                self.liveness_slice_s if timeout_s is None else min(timeout_s, self.liveness_slice_s))
+            if frames is False:
+                self.send_raw(frame, timeout_s)  # the ring is full: wait (bounded) for space
+            elif frames is True:
+                self._woke_sidecar = False  # it was awake: wait() spins first
             else:
-                self.send_raw(frame, timeout_s)
+                if len(frames) == 1:
+                    reply = protocol.decode_completion(frames[0], self.limits)
+                    if reply["id"] == rid:
+                        if not reply["ok"]:
+                            raise RemoteError(reply.get("err", 0), reply.get("msg", ""), op)
+                        return reply
+                self._woke_sidecar = True
+                self._receive(frames)
         except RingCorrupted as exc:
             self.mark_broken(f"rings unusable: {exc}")
             raise SidecarUnavailable(self._broken, self._broken_cause) from None
@@ -236,7 +243,8 @@ class SidecarClient:
         return rid
 
     def _encode_request(self, op: str, fields: dict) -> tuple[int, bytes]:
-        """A new id and the request's frame (fields that are None are left out); raises
+        """A new id and the request's frame (fields that are None are left out; :meth:`call`
+        has the same lines written out); raises
         ProtocolError(TOO_LARGE) for a frame over ``limits.max_frame_bytes``."""
         rid = next(self._ids)
         msg = {"v": PROTOCOL_VERSION, "op": op, "id": rid}

@@ -22,7 +22,7 @@ what the ring's own indices and capacity imply, which is what the Python layer g
 Corruption raises the exception class the Python layer passes in (``RingCorrupted``).
 """
 
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.stdint cimport uint32_t, uint64_t, int64_t, uintptr_t
 from libc.string cimport memcpy
 
@@ -171,11 +171,23 @@ cdef class Producer:
         self._tail = kvs_load_acq64(base + TAIL)
         self._corrupt = corrupt
 
-    def try_push(self, const unsigned char[::1] payload):
-        """Append one frame; False (and nothing written) when it does not fit now.  Raises the
-        corruption class when the consumer's ``head`` is impossible (behind by more than
-        ``capacity``, ahead of ``tail``, unaligned), ``ValueError`` for a frame over half the ring."""
-        cdef uint64_t n = payload.shape[0]
+    def try_push(self, payload):
+        """Append one frame (``bytes``, or any contiguous buffer); False (and nothing written)
+        when it does not fit now.  Raises the corruption class when the consumer's ``head`` is
+        impossible (behind by more than ``capacity``, ahead of ``tail``, unaligned),
+        ``ValueError`` for a frame over half the ring.  ``bytes`` (every frame the codec makes)
+        is read in place: no buffer export, which was most of this call's cold cost."""
+        return self._push_obj(payload)
+
+    cdef object _push_obj(self, payload):
+        if type(payload) is bytes:
+            return self._push(PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
+        cdef const unsigned char[::1] view = payload
+        if view.shape[0] == 0:
+            return self._push(b"", 0)
+        return self._push(<const char*>&view[0], view.shape[0])
+
+    cdef object _push(self, const char* src, uint64_t n):
         if n > self.max_payload:
             raise ValueError(f"frame of {n} bytes exceeds ring bound {self.max_payload}")
         cdef uint64_t tail = self._tail
@@ -197,7 +209,7 @@ cdef class Producer:
             pos = 0
         kvr_store32(data + pos, <uint32_t>n)
         if n:
-            memcpy(<void*>(data + pos + 4), &payload[0], n)
+            memcpy(<void*>(data + pos + 4), src, n)
         tail += need
         kvs_store_rel64(self.base + TAIL, tail)  # rule 1
         self._tail = tail
@@ -235,6 +247,9 @@ cdef class Consumer:
         ``max_frame`` is ``oversize(length)`` (skipped, not copied).  Nothing of a corrupt batch is
         returned and ``head`` is not moved; every iteration consumes bytes and counts against
         ``limit`` (a wrap skip included), so a hostile producer cannot keep the caller here."""
+        return self._pop(limit)
+
+    cdef list _pop(self, unsigned int limit):
         cdef uint64_t head = self._head
         cdef uint64_t tail = kvs_load_acq64(self.base + TAIL)  # rule 1
         if head == tail:
@@ -286,6 +301,25 @@ cdef class Consumer:
         ``sleeping``.  One waiter per bell at a time."""
         if timeout_s < 0:
             raise ValueError("wait_pop needs a non-negative timeout")
+        return self._wait_pop(bell, timeout_s, limit)
+
+    def exchange(self, Producer submit, payload, Bell peer, Bell own, double slice_s,
+                 unsigned int limit=256):
+        """A request's round trip to a peer that sleeps, in one call: push ``payload`` into
+        ``submit`` and ring ``peer``; when that ring woke it (it was asleep, so the answer is a
+        wake-up away and nothing is spun for), :meth:`wait_pop` on ``own`` for at most
+        ``slice_s`` and return the frames (empty: none within the slice).  ``True``: pushed and
+        rung, but the peer was awake (the caller waits its own way).  ``False``: it did not fit
+        (nothing written, nobody rung).  The client's common case after an idle gap."""
+        if slice_s < 0:
+            raise ValueError("exchange needs a non-negative slice")
+        if not submit._push_obj(payload):
+            return False
+        if not peer.post():
+            return True
+        return self._wait_pop(own, slice_s, limit)
+
+    cdef list _wait_pop(self, Bell bell, double timeout_s, unsigned int limit):
         cdef uintptr_t tail_addr = self.base + TAIL
         cdef uint64_t head = self._head
         cdef int64_t ns = <int64_t>(timeout_s * 1e9)
@@ -297,4 +331,4 @@ cdef class Consumer:
                 r = bell.doze(observed, ns if kvs_load_acq64(tail_addr) == head else 0)
             if r < 0:
                 raise OSError(-r, "futex wait failed")
-        return self.pop_batch(limit)
+        return self._pop(limit)

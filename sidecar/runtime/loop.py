@@ -80,7 +80,7 @@ class ControlLoop:
         self.op_counts: collections.Counter = collections.Counter()  # op name -> dispatched
         self.error_counts: collections.Counter = collections.Counter()  # ErrorCode -> error completions
         self.rings_corrupted = 0
-        self.requests = 0  # every frame served (``counters["requests"]`` in the snapshot)
+        self.requests = 0  # every frame received (``counters["requests"]`` in the snapshot)
         self._events: collections.deque = collections.deque()
         self._timers: list = []  # heap of (due, seq, fn)
         self._timer_seq = itertools.count()
@@ -311,17 +311,38 @@ class ControlLoop:
         self._drop_client(conn, reason="corrupt ring")
 
     def _serve(self, conn: ClientConn) -> bool:
-        """Serve one client's rings; True if anything happened.  Anything impossible in them
+        """Serve one client's rings: its backlog, or a batch of its submissions; True if
+        anything happened.  Anything impossible in them
         (RingCorrupted) drops that client only.
 
-        Reply first (:meth:`_serve_submissions`): each completion goes straight into the ring,
+        Reply first: each completion goes straight into the ring,
         the client's doorbell is rung, and only then is the batch counted.  After an idle gap
         every line on this path runs cold and the client is waiting on the ring, so a line
         before the ring is latency and a line after it runs while the client reads its reply."""
         try:
             if conn.outbox or conn.detaching:
                 return self._serve_backlog(conn)
-            return self._serve_submissions(conn)
+            frames = conn.submit.pop_batch(64)  # rings the client when it waits for space (rule 3)
+            if not frames:
+                return False
+            for data in frames:
+                completion = self._handle(conn, data)
+                if completion is not None:
+                    data = conn.pack(completion)  # protocol.Encoder.encode, written out
+                    if len(data) > conn.max_frame:
+                        data = conn.pack(self._error(conn, completion["id"], ErrorCode.INTERNAL,
+                                                     f"completion of {len(data)} bytes over {conn.max_frame}"))
+                    if conn.outbox or not conn.completion.try_push(data):
+                        conn.outbox.append(data)
+                if conn.detaching:
+                    break  # what it sent after its detach is not served (but counted as received)
+            if conn.outbox:
+                conn.flush_outbox()
+            if conn.doorbell.ring():
+                self._woke_client = True
+            conn.requests += len(frames)
+            self.requests += len(frames)
+            return True
         except RingCorrupted as exc:
             self._ring_corrupted(conn, exc)
             return True
@@ -330,46 +351,17 @@ class ControlLoop:
         """A client with completions queued (outbox) or detaching: move the outbox first (its
         submissions wait while it is not empty: back-pressure), drop it once its detach ack is
         consumed."""
+        worked = False
         if conn.outbox:
             if not conn.flush_outbox():
                 return False  # back-pressure: the client must drain completions first
             if conn.doorbell.ring():
                 self._woke_client = True
-        if conn.detaching:
-            if conn.completions_drained():
-                self._drop_client(conn, reason="detached")
-            return True
-        self._serve_submissions(conn)
-        return True
-
-    def _serve_submissions(self, conn: ClientConn) -> bool:
-        """Serve a batch of ``conn``'s submit ring (its outbox is empty); True if there was one."""
-        frames = conn.submit.pop_batch(64)  # rings the client when it waits for space (rule 3)
-        if not frames:
-            return False
-        pack = conn.pack
-        push = conn.completion.try_push
-        outbox = conn.outbox
-        served = 0
-        for data in frames:
-            served += 1
-            completion = self._handle(conn, data)
-            if completion is not None:
-                data = pack(completion)  # protocol.Encoder.encode, written out
-                if len(data) > conn.max_frame:
-                    data = pack(self._error(conn, completion["id"], ErrorCode.INTERNAL,
-                                            f"completion of {len(data)} bytes over {conn.max_frame}"))
-                if outbox or not push(data):
-                    outbox.append(data)
-            if conn.detaching:
-                break
-        if outbox:
-            conn.flush_outbox()
-        if conn.doorbell.ring():
-            self._woke_client = True
-        conn.requests += served
-        self.requests += served
-        return True
+            worked = True  # its submissions are served on the next pass, the outbox now empty
+        if conn.detaching and conn.completions_drained():
+            self._drop_client(conn, reason="detached")
+            worked = True
+        return worked
 
     def _handle(self, conn: ClientConn, data: bytes) -> dict:
         """Decode, check and dispatch one frame; returns its completion (None: deferred).
@@ -390,19 +382,18 @@ class ControlLoop:
         if handler is None:
             return self._refuse(conn, msg["id"], op)
         self.op_counts[op] += 1
-        rid = msg["id"]
         try:
             result = handler(conn, msg)
         except OpError as exc:
-            return self._error(conn, rid, exc.code, exc.message)
+            return self._error(conn, msg["id"], exc.code, exc.message)
         except ProtocolError as exc:
-            return self._error(conn, rid, exc.code, exc.message)
+            return self._error(conn, msg["id"], exc.code, exc.message)
         except Exception as exc:  # a bug in a handler answers INTERNAL; the loop survives
             log.exception("op %s failed", op)
-            return self._error(conn, rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return self._error(conn, msg["id"], ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         if result is DEFERRED:
             return None
-        result["id"] = rid  # protocol.ok_completion, written out: this is the request's path
+        result["id"] = msg["id"]  # protocol.ok_completion, written out: this is the request's path
         result["ok"] = True
         return result
 

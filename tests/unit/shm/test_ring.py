@@ -191,3 +191,102 @@ def test_wait_pop_returns_frames_at_once_times_out_empty_and_wakes_on_a_ring(rin
     assert posted == [True] and not bell.sleeping()  # it really slept, and the ring woke it
     with pytest.raises(ValueError):
         cons.wait_pop(bell, -1.0)
+
+
+def test_try_push_takes_bytes_in_place_and_any_contiguous_buffer(ring_seg):
+    cap = 1024
+    prod, cons = RingProducer(ring_seg, 0, cap), RingConsumer(ring_seg, 0, cap)
+    for payload in (b"bytes", bytearray(b"bytearray"), memoryview(b"view"), b"", bytearray()):
+        assert prod.try_push(payload)
+    assert cons.pop_batch() == [b"bytes", b"bytearray", b"view", b"", b""]
+    with pytest.raises(ValueError):
+        prod.try_push(b"x" * cap)  # over half the ring: refused whatever its type
+    with pytest.raises(TypeError):
+        prod.try_push("not a buffer")
+
+
+def _exchange_rig(seg, cap=1024):
+    """A client's view of a request/completion ring pair and both doorbells in one segment."""
+    region = ring_region_bytes(cap)
+    submit = RingProducer(seg, 0, cap)
+    completions = RingConsumer(seg, region, cap)
+    peer, own = _native_bell(seg, 2 * region), _native_bell(seg, 2 * region + 64)
+    # the other ends, as the sidecar holds them
+    return submit, completions, peer, own, RingConsumer(seg, 0, cap), RingProducer(seg, region, cap)
+
+
+def test_exchange_returns_false_true_or_the_frames_by_what_the_push_and_ring_found(ring_seg):
+    import threading
+
+    from kvsidecar._native import atomics
+
+    from ...waiting import wait_until
+
+    submit, completions, peer, own, peer_in, peer_out = _exchange_rig(ring_seg)
+    seq = lambda: atomics.load_acquire_u32(peer.seq_addr)  # noqa: E731
+    # the peer is awake (not sleeping): pushed and rung, nothing waited for
+    before = seq()
+    assert completions.exchange(submit, b"req1", peer, own, 10.0) is True
+    assert peer_in.pop_batch() == [b"req1"] and seq() == before + 1 and peer.wakeups_posted == 0
+    # the peer sleeps: the ring is its futex wake, then the answer is waited for on our bell
+    atomics.store_release_u32(peer.sleeping_addr, 1)
+    answered = []
+
+    def sidecar():
+        wait_until(own.sleeping, 5, "the client asleep on its doorbell", interval_s=0.001)
+        answered.append(peer_in.pop_batch())
+        assert peer_out.try_push(b"done2")
+        own.ring()
+
+    t = threading.Thread(target=sidecar)
+    t.start()
+    assert completions.exchange(submit, b"req2", peer, own, 10.0) == [b"done2"]
+    t.join(5)
+    assert answered == [[b"req2"]] and peer.wakeups_posted == 1 and not own.sleeping()
+    # asleep and nobody answers: the slice ends with no frames and our flag cleared
+    assert completions.exchange(submit, b"req3", peer, own, 0.01) == [] and not own.sleeping()
+    assert peer_in.pop_batch() == [b"req3"]
+    atomics.store_release_u32(peer.sleeping_addr, 0)
+    # no room: nothing written, nobody rung
+    while submit.try_push(b"f" * 100):
+        pass
+    before, depth = seq(), submit.depth()
+    assert completions.exchange(submit, b"f" * 100, peer, own, 10.0) is False
+    assert seq() == before and submit.depth() == depth
+    with pytest.raises(ValueError):
+        completions.exchange(submit, b"x", peer, own, -1.0)
+
+
+def test_sleep_scan_names_the_first_ring_with_a_frame(ring_seg):
+    import threading
+
+    from ...waiting import wait_until
+
+    cap = 256
+    region = ring_region_bytes(cap)
+    prods = [RingProducer(ring_seg, i * region, cap) for i in range(3)]
+    cons = tuple(RingConsumer(ring_seg, i * region, cap) for i in range(3))
+    bell = _native_bell(ring_seg, 3 * region)
+    never = lambda: False  # noqa: E731
+    assert prods[2].try_push(b"two")
+    assert bell.sleep_rings(never, cons, 10.0) == 2  # a frame already there: no sleep
+    assert cons[2].pop_batch() == [b"two"]
+    assert bell.sleep_rings(never, cons, 0.01) == -1 and not bell.sleeping()  # a timeout
+    assert bell.sleep_rings(lambda: True, cons, 10.0) == -1  # the caller's own condition first
+
+    def client():
+        wait_until(bell.sleeping, 5, "the loop asleep on its doorbell", interval_s=0.001)
+        assert prods[1].try_push(b"one")
+        bell.ring()
+
+    t = threading.Thread(target=client)
+    t.start()
+    assert bell.sleep_rings(never, cons, 10.0) == 1
+    t.join(5)
+    assert not bell.sleeping() and cons[1].pop_batch() == [b"one"]
+    # woken for something else (a post with no frame): -1, the caller checks its own condition
+    t = threading.Thread(target=lambda: (wait_until(bell.sleeping, 5, "asleep", interval_s=0.001), bell.ring()))
+    t.start()
+    assert bell.sleep_rings(never, cons, 10.0) == -1
+    t.join(5)
+    assert bell.sleep_rings(never, (), 0.0) == -1  # no clients at all
