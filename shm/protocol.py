@@ -227,7 +227,8 @@ def decode_completion(data, limits: Limits = DEFAULT_LIMITS) -> dict:
 
 def ok_completion(rid: int, result: dict) -> dict:
     """A success completion: ``result`` itself (the handler's fresh dict) with ``id`` and ``ok`` set.
-    With :func:`error_completion`, the only places a completion is built."""
+    With :func:`error_completion`, the only places a completion is built (the sidecar's dispatch
+    has these two lines written out: its request path runs cold after every idle gap)."""
     result["id"] = rid
     result["ok"] = True
     return result

@@ -10,12 +10,15 @@ that woke us is the latency that counts), rescan the slot table when a client bu
 the epoch, run posted events and due timers; when there is nothing to do, publish the
 stats if due, spin briefly, then sleep on the sidecar doorbell until a client or
 worker rings it or the next timer (``timers`` below) is due.  No periodic polling
-when idle.
+when idle.  The idle sleep (``Doorbell.sleep_rings``) names the client ring that woke
+it, and that client is served before the rest of the pass: after an idle gap every line
+between the wake-up and the reply is the request's latency (``bench ring``'s idle rows).
 
 The loop is transport and dispatch only: the built-in ops (attach, detach, ping,
 stats) and the stats publishing are ``kvsidecar.sidecar.runtime.builtins``, mounted
-like any service; every completion is built by ``protocol.ok_completion`` or
-``protocol.error_completion`` (through :meth:`ControlLoop._error`, which counts it).
+like any service; every completion is built by ``protocol.ok_completion`` (written out in
+:meth:`ControlLoop._handle`, the request's path) or ``protocol.error_completion`` (through
+:meth:`ControlLoop._error`, which counts it).
 """
 
 from __future__ import annotations
