@@ -74,7 +74,6 @@ class ControlLoop:
         self._serving: tuple[ClientConn, ...] = ()  # clients.values(), rebuilt when it changes
         self._submits: tuple = ()  # their submit rings, in the same order (the idle sleep's condition)
         self.handlers: dict[str, object] = {}
-        self._routes: dict[str, tuple] = {}  # op -> (handler, needs a KV attach)
         # what a client may call in each state (op -> handler), so a request is one lookup in its
         # client's table: before attach, attached as an observer, attached with a KV layout
         self._route_tables: tuple[dict, dict, dict] = ({}, {}, {})
@@ -123,7 +122,6 @@ class ControlLoop:
             if name in self.handlers:
                 raise ValueError(f"op {name!r} is served twice")
         self.handlers.update(ops)
-        self._routes.update((name, (fn, protocol.OP_SCHEMAS[name].kv)) for name, fn in ops.items())
         before, observer, kv = self._route_tables  # updated in place: a client holds one of them
         for name, fn in ops.items():
             if name in ("attach", "detach"):
@@ -315,13 +313,12 @@ class ControlLoop:
 
     def _serve(self, conn: ClientConn) -> bool:
         """Serve one client's rings: its backlog, or a batch of its submissions; True if
-        anything happened.  Anything impossible in them
-        (RingCorrupted) drops that client only.
+        anything happened.  Anything impossible in them (RingCorrupted) drops that client only.
 
-        Reply first: each completion goes straight into the ring,
-        the client's doorbell is rung, and only then is the batch counted.  After an idle gap
-        every line on this path runs cold and the client is waiting on the ring, so a line
-        before the ring is latency and a line after it runs while the client reads its reply."""
+        Reply first: each completion goes straight into the ring, the client's doorbell is
+        rung, and only then is the batch counted.  After an idle gap every line on this path
+        runs cold and the client is waiting on the ring, so a line before the ring is latency
+        and a line after it runs while the client reads its reply."""
         try:
             if conn.outbox or conn.detaching:
                 return self._serve_backlog(conn)
@@ -402,7 +399,7 @@ class ControlLoop:
 
     def _refuse(self, conn: ClientConn, rid: int, op: str) -> dict:
         """The completion of an op its client may not call now (not in ``conn.routes``)."""
-        if op not in self._routes:
+        if op not in self.handlers:
             return self._error(conn, rid, ErrorCode.UNKNOWN_OP, f"op {op!r} is not served by this sidecar")
         if conn.info is None:
             return self._error(conn, rid, ErrorCode.NOT_ATTACHED, f"{op} before attach")
