@@ -1,6 +1,7 @@
 """The read lane's checksum pass (``L3Tier._verify``): every landed block is checked against
 its row whether the pass runs in one piece or split across the lane and the checker thread
-(``SPLIT_VERIFY_BYTES``), and a block whose bytes do not match is never reported as loaded."""
+(``SPLIT_VERIFY_BYTES``), and a block whose bytes do not match, or that is not in L3, is never
+reported as loaded."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvsidecar.sidecar.l3.tier import L3Tier
 
 N, BLOCK, SHARDS = 9, 4096, 2
 BAD = (1, 7)  # one in each half of a split pass
+MISSING = (3, 5)  # never written to L3
 
 
 @pytest.mark.parametrize("split_from", [0, 1 << 40], ids=["split", "whole"])
@@ -46,19 +48,21 @@ def test_every_landed_block_is_verified_whether_the_pass_is_split_or_not(tmp_pat
     tier = L3Tier(backend, lambda fn, *a: posted.put((fn, a)), fingerprint=b"\x02" * 8,
                   pool_address=ctypes.addressof(anchor), block_bytes=BLOCK, sums=table)
     keys = tier.keys("ns", chain)
-    assert all(backend.write(keys, [src_at + i * BLOCK for i in range(N)], BLOCK,
-                             [ctypes.addressof(rows) + i * SHARDS * 8 for i in range(N)], SHARDS * 8))
+    held = [i for i in range(N) if i not in MISSING]
+    assert all(backend.write([keys[i] for i in held], [src_at + i * BLOCK for i in held], BLOCK,
+                             [ctypes.addressof(rows) + i * SHARDS * 8 for i in held], SHARDS * 8))
     tier.start()
     try:
         results = []
         tier.load("ns", chain, pack_ids(list(range(N))), results.append)
         fn, args = posted.get(timeout=10)
         fn(*args)
-        assert [r.ok for r in results] == [[i not in BAD for i in range(N)]]
+        assert [r.ok for r in results] == [[i not in BAD + MISSING for i in range(N)]]
         assert tier.counters["read_blocks_corrupt"] == len(BAD)
-        assert tier.counters["read_blocks_ok"] == N - len(BAD)
+        assert tier.counters["read_blocks_ok"] == N - len(BAD) - len(MISSING)
+        assert tier.counters["read_blocks_failed"] == len(BAD) + len(MISSING)
         for i in range(N):
-            if i not in BAD:
+            if i not in BAD + MISSING:
                 assert pool[i * BLOCK:(i + 1) * BLOCK] == good[i * BLOCK:(i + 1) * BLOCK]
     finally:
         tier.stop()
