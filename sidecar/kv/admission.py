@@ -313,8 +313,9 @@ class PoolManager:
                 self.index.unpin(pack_ids([hold.pins.pop(pos)]))
 
     def withdraw(self, plan: ChunkPlan, published: int) -> int:
-        """A read that never started (cancelled in the sender queue): free our blocks, drop the
-        plan's pins.  Returns how many blocks were withdrawn."""
+        """A read that never started (cancelled in the sender queue), or a plan that only awaits
+        other writers' blocks: free our blocks, drop the plan's pins, stop awaiting.  Returns
+        how many of our blocks were withdrawn."""
         n = len(plan.own_blocks)
         self._free_own(plan)
         self._unpin_resident(plan, published)
@@ -417,8 +418,19 @@ class PoolManager:
         self._unstage_key(key, block)
 
     def _detach(self, plan: ChunkPlan) -> None:
+        """The session stops counting on the plan: it leaves the waiters of every block it still
+        awaits (a key nobody else waits on then wakes no one when its writer resolves it)."""
         plan.attached = False
         plan.hold.plans.pop(plan.chunk, None)
+        chain = plan.hold.chain
+        for pos, ok in plan.shared_ok.items():
+            if ok is None:
+                key = chain_key(chain, pos)
+                waiting = self.waiters.get(key)
+                if waiting is not None:
+                    waiting[:] = [w for w in waiting if w[0] is not plan]
+                    if not waiting:
+                        del self.waiters[key]
 
     def _free_own(self, plan: ChunkPlan) -> None:
         chain = plan.hold.chain

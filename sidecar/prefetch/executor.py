@@ -159,29 +159,38 @@ class SessionExecutor:
 
     # -- after a stop -----------------------------------------------------------------------------
     def withdraw_queued(self, rec: Record) -> list:
-        """After a stop, chunks whose read has not started leave the sender queue.
+        """After a stop, chunks whose read has not started leave the sender queue, and chunks
+        that wait only on other writers' blocks are let go.
 
         Cancellation is atomic with the read lane picking the job up, so these blocks
         were never touched by L3 and go straight back to FREE; only reads already in
-        flight are drained.  This keeps stop latency within one chunk's transfer.  A
-        chunk other sessions wait on is not cancelled: its read is handed over to them
-        (shared blocks survive a stop; only a real L3 failure fails a waiter).
+        flight are drained.  This keeps stop latency within one chunk's transfer: a stopped
+        session never waits on a read another session owns (queued behind the lane at that
+        session's priority, it could take any time).  A chunk other sessions wait on is not
+        cancelled: its read is handed over to them (shared blocks survive a stop; only a real
+        L3 failure fails a waiter).
         """
         out = []
         for chunk, io in list(rec.chunks.items()):
-            if not io.reading or io.plan.shared_ok or io.job is None:
-                continue
-            if self.pool.awaited(io.plan):
-                # Other sessions wait on these blocks: the read goes on for them (the manager
-                # keeps it as an orphan); this session just stops counting on the chunk.
-                self.pool.hand_over(io.plan, rec.machine.published)
-                del rec.chunks[chunk]
-                self.counters["reads_handed_over"] += 1
-                out += rec.machine.handle(ChunkWithdrawn(chunk, self.clock()))
-                continue
-            if not io.job.cancel():
-                continue
-            n = self.pool.withdraw(io.plan, rec.machine.published)
+            plan = io.plan
+            if io.reading:
+                if io.job is None:
+                    continue
+                if self.pool.awaited(plan):
+                    # Other sessions wait on these blocks: the read goes on for them (the manager
+                    # keeps it as an orphan); this session just stops counting on the chunk.
+                    self.pool.hand_over(plan, rec.machine.published)
+                    del rec.chunks[chunk]
+                    self.counters["reads_handed_over"] += 1
+                    out += rec.machine.handle(ChunkWithdrawn(chunk, self.clock()))
+                    continue
+                if not io.job.cancel():
+                    continue  # in flight: drained
+            elif plan.resolved or not rec.machine.chunk_pending(chunk) or (plan.own_blocks and self.pool.awaited(plan)):
+                continue  # nothing of it is queued; or what it read, others await
+            # (left: our read never started, or only another writer's blocks are awaited -- a
+            # read this session did not start and cannot hurry: a stop does not wait on it)
+            n = self.pool.withdraw(plan, rec.machine.published)
             rec.withdrawn += n
             self.counters["blocks_withdrawn"] += n
             del rec.chunks[chunk]

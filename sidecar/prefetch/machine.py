@@ -286,6 +286,12 @@ class Session:
         if self.sealed or self.cut or self.state != State.RUNNING:
             return out
         cost_aware = self.p.policy == Policy.COST_AWARE
+        if cost_aware and self.next_pos >= self.target and self.in_flight:
+            # everything is claimed: what is still in flight is reviewed like a stop (a read
+            # that would land after the prefill could start, at a cost above recomputing, is
+            # withdrawn if it has not started) -- a demand must not wait for queued reads
+            self._cost_claim(commit=False)
+            return out
         while self.next_pos < self.target and (self.in_flight < self.p.window or cost_aware):
             n = min(self.p.chunk_max_blocks, self.target - self.next_pos)
             if cost_aware:

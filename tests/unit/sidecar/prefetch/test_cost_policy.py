@@ -324,6 +324,42 @@ def test_executor_cost_aware_slow_l3_demand_withdraws_queued_reads():
     assert b.books()["staging"] == 0 and b.books()["leases"] == 0
 
 
+def test_executor_cost_aware_fully_claimed_demand_withdraws_queued_reads():
+    """Every remaining block is claimed (the ETA left room) and the reads are still queued when
+    the request becomes a candidate: at a read cost above recomputing, they are withdrawn and
+    the session ends at once, rather than making the engine wait for them."""
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.02, 5)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    reads = list(b.tier.reads)
+    assert [len(r.keys) // 16 for r in reads] == [4, 4]  # all of it lands by the ETA
+    b.sm.op_demand(b.conn, {"req": "r"})
+    b.loop.settle()
+    assert [r.state for r in reads] == ["cancelled", "cancelled"] and not b.tier.reads
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"], p["reason"]) == ("cost", 0, "cost")
+    b.take("r", c)
+    assert b.books()["staging"] == 0 and b.books()["leases"] == 0
+
+
+def test_executor_cost_aware_fully_claimed_keeps_reads_that_still_pay():
+    """The same, with restoring cheaper than recomputing: the claimed reads go on."""
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.002, 5)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    b.sm.op_demand(b.conn, {"req": "r"})
+    b.loop.settle()
+    assert b.tier.reads and all(r.state == "queued" for r in b.tier.reads)
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("complete", 8)
+    assert b.take("r", c) == 8 and b.books()["leases"] == 0
+
+
 def test_executor_poll_with_an_eta_replans_once_per_step():
     b = Bench(blocks=64, chunk_max_blocks=4)
     b.tier.estimate = ReadEstimate(0.001, 0.02, 5)

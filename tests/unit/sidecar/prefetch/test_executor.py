@@ -476,6 +476,41 @@ def test_every_policy_and_stop_leaves_the_books_exact(policy, stop):
     assert p["prefix"] == b.core.index.match(c) or p["status"] == "aborted"
 
 
+@pytest.mark.parametrize("stop", ["deadline", "abort", "demand"])
+def test_a_stopped_session_does_not_wait_on_another_sessions_queued_read(stop):
+    """y's chunks only await x's staged blocks (x's reads sit in the lane queue): a stop ends y
+    at once, instead of waiting for a read it neither started nor can hurry; x is unaffected,
+    and y leaves no waiter behind."""
+    b = Bench(window=2)
+    c = b.chain("a", 8)
+    x = Conn(group="o", slot=1)
+    b.loop.clients[1] = x
+    b.prefetch("x", c, conn=x, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    b.prefetch("y", c, policy="best_effort" if stop == "demand" else "timeout", budget_s=0.05)
+    b.tier.answer_lookups()
+    assert len(b.tier.reads) == 2 and all(r.state == "queued" for r in b.tier.reads)  # x's only
+    if stop == "deadline":
+        b.loop.advance(0.06)
+    elif stop == "abort":
+        b.sm.op_abort(b.conn, {"req": "y"})
+    else:
+        b.sm.op_demand(b.conn, {"req": "y"})
+    b.loop.settle()
+    y = b.poll("y")
+    assert y["state"] == "terminal" and y["prefix"] == 0, y  # no read of x's had to land
+    assert all(r.state == "queued" for r in b.tier.reads)
+    assert not b.core.pool.waiters  # y stopped awaiting x's blocks
+    b.tier.run_all()
+    px = b.poll("x", conn=x)
+    assert (px["state"], px["status"], px["prefix"]) == ("terminal", "complete", 8)
+    assert b.core.index.match(c) == 8
+    b.sm.op_abort(x, {"req": "x"})
+    b.sm.op_abort(b.conn, {"req": "y"})
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0 and s["orphans"] == 0
+
+
 # -- randomized schedules ---------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(60))
 def test_random_schedules_keep_the_invariants(seed):
