@@ -33,6 +33,14 @@ executor only turns the machine's actions into these calls, L3 jobs and replies:
 Every publish or drop of a staged key goes through here, so the manager wakes the sessions that
 await it without being told by the index.
 
+**A store supersedes a session's read that has not started.**  An engine store of keys a
+session stages for an L3 read still queued in the lane (the engine computed them meanwhile: the
+read is slower than the prefill, or queued behind others) withdraws that read
+(``ChunkPlan.cancel_read``, atomic with the lane starting it) and stages the keys itself; the
+session's positions become awaited ones (SHARED) on the store's blocks, so the session and its
+waiters resolve when the store publishes or drops them.  Without it a store stops at the first
+such key, and when the session later drops its read the computed blocks are in neither.
+
 The limits, computed only here (``*_limit`` bytes over ``block_bytes``):
 
 * **reserved**: blocks STAGING, for any purpose, ≤ ``reserved_bytes_limit``;
@@ -93,6 +101,8 @@ class PoolManager:
         self.orphans: dict[tuple, ChunkPlan] = {}  # (session, chunk) -> a read nobody waits for
         self.results: dict[tuple, Lease] = {}  # request -> its session's result (prefetch) lease
         self.handoffs = 0  # results dropped by their request's GET
+        self.staged_by: dict[bytes, ChunkPlan] = {}  # key -> the session plan (or orphan) staging it
+        self.superseded_blocks = 0  # session reads withdrawn because a store staged their keys
         # blocks in sessions' plans and orphans (pinned once published): changed only where such a
         # block enters STAGING (claim) or leaves it (_own_published, _own_freed); check() recounts
         self._session_staged = 0
@@ -128,14 +138,31 @@ class PoolManager:
         total = chain_len(chain)
         end = total if limit is None else min(total, start + limit)
         stop = start
-        while stop < end and chain_key(chain, stop) not in idx.staging:
-            stop += 1  # blocks being staged by another writer are not written twice: stop there
+        superseded: list[bytes] = []
+        while stop < end:
+            key = chain_key(chain, stop)
+            if key in idx.staging and not (purpose == "store" and self._supersede(key, chain, end, superseded)):
+                break  # blocks being staged by another writer are not written twice: stop there
+            stop += 1
         want = stop - start
-        if want <= 0:
-            return StagePlan(purpose, b"", start, b"", -1, None)
-        want = min(want, max(self.headroom()[0], 0))
-        if want <= 0:
-            return self.refuse("reserved", "reserved_bytes_limit reached: no staging available")
+        if want > 0:
+            want = min(want, max(self.headroom()[0], 0))
+        if superseded:
+            self.superseded_blocks += len(superseded)
+        try:
+            if want <= 0:
+                if stop == start:
+                    return StagePlan(purpose, b"", start, b"", -1, None)
+                return self.refuse("reserved", "reserved_bytes_limit reached: no staging available")
+            return self._stage_run(chain, start, want, purpose, prefix_ttl_s, owner, now)
+        finally:
+            for key in superseded:  # a superseded key this store did not stage: its waiters fail
+                if key not in idx.staging and key in self.waiters:
+                    self._resolved(key, False)
+
+    def _stage_run(self, chain: bytes, start: int, want: int, purpose: str, prefix_ttl_s: float, owner,
+                   now: float) -> StagePlan | Refusal:
+        idx = self.index
         prefix_lease, parent = None, -1
         if start:
             prefix = idx.resident_ids(chain, start)
@@ -152,6 +179,38 @@ class PoolManager:
         for i, b in enumerate(unpack_ids(blocks)):
             idx.stage(chain_key(plan.chain, i), b)
         return plan
+
+    def _supersede(self, key: bytes, chain: bytes, end: int, superseded: list) -> bool:
+        """A store reaching ``key``, staged by a session's (or an orphan's) read: withdraw that
+        read if it has not started and every key it stages lies in ``chain``'s run to ``end`` (the
+        store stages them all); its positions then await the store's blocks.  True when ``key``
+        is free for the store; the read's keys are appended to ``superseded``."""
+        plan = self.staged_by.get(key)
+        if plan is None or plan.read_ok is not None or plan.cancel_read is None:
+            return False  # a store's or a restore's staging, or a read that already ended
+        hold = plan.hold
+        keys = {pos: chain_key(hold.chain, pos) for pos in plan.own_blocks}
+        if not all(pos < end and chain_key(chain, pos) == k for pos, k in keys.items()):
+            return False  # the store would not stage all of them: the read goes on
+        if not plan.cancel_read():
+            return False  # it started: its data is on the way
+        for pos, b in plan.own_blocks.items():
+            k = keys[pos]
+            del self.staged_by[k]
+            self._session_staged -= 1
+            self.index.drop_staging(k, b)  # FREE again; the key's waiters stay for the store
+            superseded.append(k)
+        orphan = self.orphans.pop((hold.id, plan.chunk), None)
+        if orphan is None and plan.attached:
+            kinds = list(plan.kinds)
+            for pos in plan.own_blocks:
+                kinds[pos - plan.start] = SHARED
+                plan.shared_ok[pos] = None
+                self.waiters[keys[pos]].append((plan, pos))
+            plan.kinds = tuple(kinds)
+        plan.own_blocks.clear()
+        plan.read_ok = {}  # no read of ours any more
+        return True
 
     def complete(self, plan: StagePlan, ok) -> int:
         """The plan's data landed where ``ok`` says: publish the leading landed blocks in chain
@@ -262,7 +321,9 @@ class PoolManager:
         plan = ChunkPlan(hold, chunk, start, len(kinds), tuple(kinds), {}, {}, on_shared=on_shared)
         for pos, b in zip(own_positions, blocks):
             plan.own_blocks[pos] = b
-            idx.stage(chain_key(hold.chain, pos), b)
+            key = chain_key(hold.chain, pos)
+            idx.stage(key, b)
+            self.staged_by[key] = plan
         self._session_staged += len(blocks)
         for off, kind in enumerate(kinds):
             pos = start + off
@@ -410,11 +471,13 @@ class PoolManager:
     def _own_published(self, key: bytes, block: int, parent: int) -> None:
         """A session's staged block (its data landed) becomes resident."""
         self._session_staged -= 1
+        self.staged_by.pop(key, None)
         self._publish_key(key, block, parent)
 
     def _own_freed(self, key: bytes, block: int) -> None:
         """A session's staged block goes back to FREE unpublished."""
         self._session_staged -= 1
+        self.staged_by.pop(key, None)
         self._unstage_key(key, block)
 
     def _detach(self, plan: ChunkPlan) -> None:
@@ -460,4 +523,6 @@ class PoolManager:
         counted += sum(len(p.own_blocks) for p in self.orphans.values())
         if counted != self._session_staged:
             return f"sessions' plans stage {counted} blocks, the manager counts {self._session_staged}"
+        if len(self.staged_by) != counted:
+            return f"sessions' plans stage {counted} blocks, {len(self.staged_by)} keys are mapped to them"
         return ""

@@ -49,6 +49,7 @@ class ChunkPlan:
     shared_ok: dict  # position -> None (awaited) | bool (published by its writer) (ChunkKind.SHARED)
     read_ok: dict | None = None  # position -> bool once our read ended ({} when there is none)
     on_shared: object = None  # fn(plan): an awaited position was resolved
+    cancel_read: object = None  # fn() -> bool: withdraw our read if it has not started (the executor's)
     attached: bool = True
 
     def landed(self, ok) -> None:

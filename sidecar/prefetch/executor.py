@@ -101,11 +101,11 @@ class SessionExecutor:
         io.t0 = self.clock()
         rec.events.append(("claim", io.t0, [a.chunk, a.start, granted, len(plan.own_blocks)]))
         if plan.own_blocks:
-            io.reading = True
             keys = b"".join(chain_key(rec.chain, p) for p in plan.own_blocks)
             io.job = self.tier.load(rec.ns, keys, pack_ids(list(plan.own_blocks.values())),
                                     lambda result, sid=rec.id, ch=a.chunk: self._read_done(sid, ch, result),
                                     priority=read_priority(rec.demanded, rec.id))
+            plan.cancel_read = io.job.cancel  # a store of these keys may supersede it (PoolManager)
         else:
             self._maybe_chunk_done(rec, a.chunk)
         return extra
@@ -123,7 +123,6 @@ class SessionExecutor:
         io = rec.chunks.get(chunk) if rec else None
         if io is None:
             return
-        io.reading = False
         io.plan.landed(ok)
         rec.transfer_times.append(result.seconds * 1e3)
         rec.events.append(("read", self.clock(), [chunk, len(ok), result.seconds]))

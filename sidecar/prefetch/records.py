@@ -18,9 +18,14 @@ from kvsidecar.sidecar.prefetch.machine import Session
 @dataclasses.dataclass
 class ChunkIO:
     plan: ChunkPlan  # the claimed positions and their blocks (kvsidecar.sidecar.kv.chunks)
-    reading: bool = False
     job: object = None  # the read lane job (cancellable until it starts)
     t0: float = 0.0  # when the claim was carried out (chunk time = claim -> data landed)
+
+    @property
+    def reading(self) -> bool:
+        """Our read of the chunk's own blocks is outstanding (none: all resident or awaited; or
+        it ended; or a store superseded it, ``PoolManager``)."""
+        return self.plan.read_ok is None and bool(self.plan.own_blocks)
 
     @property
     def count(self) -> int:

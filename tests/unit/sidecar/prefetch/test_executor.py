@@ -511,6 +511,88 @@ def test_a_stopped_session_does_not_wait_on_another_sessions_queued_read(stop):
     assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0 and s["orphans"] == 0
 
 
+# -- a store supersedes a read that has not started -------------------------------------------
+def _store(b, chain):
+    st = b.core.op_store(b.conn, {"chain": chain})
+    return st
+
+
+def test_a_store_supersedes_a_queued_session_read_and_its_waiters_follow():
+    """x's reads of c sit in the lane queue and y awaits them; the engine computed c meanwhile:
+    its store withdraws x's reads and stages every key, and x and y complete on the store's
+    blocks when it commits -- nothing is read from L3, nothing is lost."""
+    b = Bench(window=2)
+    c = b.chain("a", 8)
+    b.prefetch("x", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    y = Conn(group="h", slot=1)
+    b.loop.clients[1] = y
+    b.prefetch("y", c, conn=y, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    reads = list(b.tier.reads)
+    assert len(reads) == 2  # x's two chunks; y's await them
+    st = _store(b, c)
+    assert (st["start"], st["count"]) == (0, 8)
+    assert [r.state for r in reads] == ["cancelled", "cancelled"] and not b.tier.reads
+    assert b.core.pool.superseded_blocks == 8
+    b.loop.settle()
+    assert b.poll("x")["state"] != "terminal"  # it waits for the store now
+    b.core.op_commit(b.conn, {"staging": st["staging"]})
+    b.loop.settle()
+    px, py = terminal(b, "x"), b.poll("y", conn=y)
+    assert (px["status"], px["prefix"]) == ("complete", 8)
+    assert (py["state"], py["status"], py["prefix"]) == ("terminal", "complete", 8)
+    assert b.tier.blocks_read == 0
+    assert b.take("x", c) == 8
+    b.sm.op_abort(y, {"req": "y"})
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0 and s["orphans"] == 0
+    assert not b.core.pool.waiters and not b.core.pool.staged_by
+
+
+def test_a_store_does_not_supersede_a_read_in_flight_or_one_it_would_not_cover():
+    b = Bench(window=2)
+    c = b.chain("a", 8)
+    b.prefetch("x", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    first, second = b.tier.reads
+    b.tier.start(first)
+    st = _store(b, c)
+    assert st["count"] == 0  # its first key is being read: the store stops there, as before
+    assert second.state == "queued" and b.core.pool.superseded_blocks == 0
+    b.tier.finish(first)
+    b.loop.settle()
+    st = _store(b, c[:6 * KEY])  # covers only half of the second read's keys
+    assert st["count"] == 0 and second.state == "queued"
+    st = _store(b, c)  # covers all of them: superseded
+    assert (st["start"], st["count"]) == (4, 4) and second.state == "cancelled"
+    b.core.op_commit(b.conn, {"staging": st["staging"]})
+    b.loop.settle()
+    assert (terminal(b, "x")["status"], terminal(b, "x")["prefix"]) == ("complete", 8)
+    assert b.tier.blocks_read == 4
+    assert b.take("x", c) == 8
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+
+
+def test_a_superseding_store_that_fails_fails_the_waiters_not_the_books():
+    """The store took x's keys, then dies before committing (its staging expires): x's
+    positions resolve as failed, like a failed read; every block is accounted for."""
+    b = Bench(window=2)
+    c = b.chain("a", 8)
+    b.prefetch("x", c, policy="timeout", budget_s=300.0)
+    b.tier.answer_lookups()
+    st = _store(b, c)
+    assert st["count"] == 8
+    b.loop.advance(b.core.limits.staging_ttl_s + 1)  # the writer never commits: reaped
+    px = terminal(b, "x")
+    assert (px["status"], px["prefix"]) == ("failed", 0)
+    b.take("x", c)
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+    assert not b.core.pool.waiters and not b.core.pool.staged_by
+
+
 # -- randomized schedules ---------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(60))
 def test_random_schedules_keep_the_invariants(seed):
