@@ -140,20 +140,11 @@ def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_e
                chunk_size(o, chunk_max))
 
 
-def keep_admitted(o: Outlook, now: float, pending_blocks: int, pending_reads: int) -> bool:
-    """After a cost stop: are the chunks already claimed (``pending_blocks`` in
-    ``pending_reads`` reads, not landed; some may still be queued) worth waiting for?  The same
-    marginal rule as a claim: yes while what they save in prefill is at least the delay they put
-    on its start (none while they land before the prefill could start anyway).
-
-    They land, as far as is known now, after the lane's current backlog (which counts them
-    while they are queued or running) and no sooner than their own transfer from now -- not at
-    the estimate made when they were claimed, which a faster or slower lane has since
-    overtaken.  So a read that is cheaper per block than recomputing, but queued behind
-    others, can still cost more than it saves."""
-    lands_at = now + max(o.backlog_s, pending_reads * o.l3_latency_s + pending_blocks * o.l3_s_per_block)
-    delay = max(0.0, lands_at - max(o.eta, now))
-    return pending_blocks * o.saving_per_block >= delay
+def keep_admitted(o: Outlook, current_end: float) -> bool:
+    """After a cost stop: are the chunks already claimed (and possibly still queued) worth
+    reading?  Yes while restoring pays per block, or while they land before the prefill
+    could start anyway."""
+    return o.restore_pays_per_block or current_end <= o.eta
 
 
 def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int) -> bool:

@@ -349,8 +349,7 @@ class Session:
         self.plan_end = self.next_pos + planned
         n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
         if n == 0:
-            pending = [c.count for c in self.chunks.values() if c.ok is None]
-            keep = cost.keep_admitted(o, now, sum(pending), len(pending))
+            keep = cost.keep_admitted(o, current_end)
             if keep and self.in_flight:
                 return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
             self._seal(Status.COST, "cost")

@@ -292,22 +292,6 @@ def test_estimator_ignores_empty_and_negative_reads():
     assert m.samples == 0
 
 
-def test_keep_admitted_weighs_the_lanes_wait_not_only_the_price_per_block():
-    """After a stop, claimed reads are kept while their prefill saving covers the delay they put
-    on the prefill's start -- the lane's wait included."""
-    now = 10.0
-    fast_idle = ol(eta=now, regime=FAST)  # 8 blocks: 0.034 s to land, 0.08 s of prefill saved
-    assert cost.keep_admitted(fast_idle, now, 8, 1)
-    fast_behind = ol(eta=now, regime=FAST, backlog_s=0.5)  # cheaper per block, but 0.5 s queued
-    assert not cost.keep_admitted(fast_behind, now, 8, 1)
-    assert cost.keep_admitted(ol(eta=now + 0.6, regime=FAST, backlog_s=0.5), now, 8, 1)  # hidden
-    slow = ol(eta=now, regime=SLOW)  # dearer per block: waiting never pays at an idle engine
-    assert not cost.keep_admitted(slow, now, 8, 1)
-    assert cost.keep_admitted(ol(eta=now + 0.2, regime=SLOW), now, 8, 1)  # lands before the ETA
-    assert cost.keep_admitted(ol(eta=now + 0.1, regime=SLOW), now, 8, 1)  # 0.038 s late, saves 0.08
-    assert not cost.keep_admitted(ol(eta=now + 0.02, regime=SLOW), now, 8, 1)  # 0.118 s late
-
-
 # -- the executor feeding it -------------------------------------------------------------------------
 def test_executor_cost_aware_fast_l3_completes():
     b = Bench(blocks=64, chunk_max_blocks=4)
