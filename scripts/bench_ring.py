@@ -5,10 +5,12 @@ The socket baseline is a request/reply transport done in the same Python: the cl
 each request with the sidecar's msgpack codec, a blocking server in another process decodes it
 and encodes a completion, the client decodes it (``uds_*``); a bare byte echo (``uds_echo_*``)
 is reported beside it as a floor.  First-after-idle samples alternate ring / socket / echo, one
-sample each per idle gap, so a slow phase of the machine lands on all three."""
+sample each per idle gap, so a slow phase of the machine lands on all three, and the order
+rotates every round (no arm always runs just after another)."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -107,10 +109,16 @@ def _uds_pair(ctx, rpc: bool):
 
 def _idle_samples(fns, n, idle_s):
     """First request after ``idle_s`` of quiet for each of ``fns``, alternating sample by sample
-    (a slow phase of a noisy machine lands on all of them)."""
+    (a slow phase of a noisy machine lands on all of them), the order going through every
+    permutation, round by round, so each arm follows each other arm equally often.  A fixed
+    order is biased: the arms share one Python binary and msgpack's code, so an arm runs warmer
+    just after one that ran the codec (measured here, same processes: ring/socket 1.08-1.11
+    with the order ring, socket, echo; 0.99-1.03 with socket, ring, echo)."""
     out = [[] for _ in fns]
-    for _ in range(n):
-        for fn, samples in zip(fns, out):
+    orders = list(itertools.permutations(range(len(fns))))  # each arm after each other equally often
+    for r in range(n):
+        for i in orders[r % len(orders)]:
+            fn, samples = fns[i], out[i]
             time.sleep(idle_s)
             t0 = time.perf_counter()
             fn()
