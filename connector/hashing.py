@@ -32,8 +32,16 @@ class BlockHasher:
 
 
 def _as_u32(tokens):
+    """``tokens`` as unsigned 32-bit ids (each id modulo 2**32).  A list or tuple of ids in range
+    converts at C speed; anything else (negative or wide ids, numbers of other types) takes the
+    element-wise path, which gives the same ids: this runs on the engine's loop for every request."""
     if isinstance(tokens, array.array) and tokens.typecode == "I":
         return tokens
+    if type(tokens) is list or type(tokens) is tuple:
+        try:
+            return array.array("I", tokens)
+        except (OverflowError, TypeError):
+            pass
     try:
         import torch
 
