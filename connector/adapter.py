@@ -15,7 +15,7 @@ SGLang                                      adapter
 =========================================  ==========================================
 ``prefetch_from_storage`` (queue entry)     :meth:`on_queue_entry`
 ``check_prefetch_progress`` (each step)     :meth:`check_progress`
-``terminate_prefetch`` (candidate)          :meth:`on_candidate`
+``terminate_prefetch`` (candidate)          :meth:`on_candidate` (or ``check_progress(demand=True)``)
 ``release_aborted_request``                 :meth:`on_abort`
 ``init_load_back`` (admission)              :meth:`admit` → :class:`RestoreSlot`
 load-back done / rollback                   :meth:`commit_restore` / :meth:`rollback_restore`
@@ -75,6 +75,7 @@ class EngineAdapter:
         self.link = SidecarLink(self.conn, self.cfg.reattach_every_s, on_reattach=self._new_generation)
         self._prefill_s_per_block = self.cfg.prefill_s_per_block  # EWMA of observed prefills
         self._held: dict[str, int] = {}  # req -> blocks its session holds (last poll): the ETA of those behind
+        self._sent: dict[str, int] = {}  # req -> id of its prefetch, whose answer is not taken yet
 
     # -- connection management (kvsidecar.connector.reconnect) -------------------------------------
     @property
@@ -99,6 +100,7 @@ class EngineAdapter:
         """Re-attached to a new sidecar: nothing we held survived the old one."""
         self.slots.clear()
         self.prefetching.clear()
+        self._sent.clear()
 
     def _call(self, fn, default, *, retry: bool = True):
         """``fn()`` or ``default`` (a miss).  ``retry=False`` for a call bound to an id the old
@@ -145,22 +147,51 @@ class EngineAdapter:
         if not chain:
             return
         c = self.cfg
-        if self._call(lambda: self.conn.prefetch(chain, req, policy=c.policy, budget_s=c.budget_s,
-                                                 chunk_max_blocks=c.chunk_max_blocks,
-                                                 tokens=len(token_ids), eta_s=eta_s,
-                                                 prefill_s_per_block=self._prefill_s_per_block), None) is not None:
+        # sent, not waited for: the engine's loop goes on (the session starts as the sidecar reads
+        # it; a demand or poll sent next rides the same wake-up).  Its answer is taken by the next
+        # hook for this request (``_settle``): the ring keeps order, so it has arrived by then.
+        rid = self._call(lambda: self.conn.prefetch(chain, req, policy=c.policy, budget_s=c.budget_s,
+                                                    chunk_max_blocks=c.chunk_max_blocks,
+                                                    tokens=len(token_ids), eta_s=eta_s,
+                                                    prefill_s_per_block=self._prefill_s_per_block, wait=False),
+                         None)
+        if rid is not None:
             self.prefetching.add(req)
+            self._sent[req] = rid
+
+    def _settle(self, req: str) -> bool:
+        """Take the answer of ``req``'s prefetch if it is still unread; False when that answer was
+        an error (no session: the request is no longer prefetching, a miss).  Called after the
+        hook's own call, whose answer came after the prefetch's; an answer that has not come
+        (no call, or a sidecar gone) is dropped when it does — the next poll says the rest."""
+        rid = self._sent.pop(req, None)
+        if rid is None:
+            return True
+        reply = self._call(lambda: self.conn.client.take(rid), None, retry=False)
+        if reply is None:  # not here yet (a hook that made no call first): drop it when it comes
+            self.conn.client.discard(rid)
+        elif not reply.get("ok"):
+            log.warning("prefetch for %s refused: %s", req, reply.get("msg", ""))
+            self.prefetching.discard(req)
+            return False
+        return True  # answered, or lost with a sidecar that is gone (its poll then says "unknown")
 
     def on_candidate(self, req: str) -> None:
         """The request became a scheduling candidate (stops best_effort)."""
         if req in self.prefetching:
             self._call(lambda: self.conn.demand(req), None)
+            self._settle(req)
 
-    def check_progress(self, req: str, step: int, eta_s: float | None = None) -> tuple[bool, int]:
-        """(ready to admit, tokens restorable).  Identical on every rank for the same step."""
+    def check_progress(self, req: str, step: int, eta_s: float | None = None,
+                       demand: bool = False) -> tuple[bool, int]:
+        """(ready to admit, tokens restorable).  Identical on every rank for the same step.
+        ``demand``: the request just became a scheduling candidate — :meth:`on_candidate` and this
+        check in one round trip (a scheduler that demands and checks in the same scan)."""
         if req not in self.prefetching:
             return True, 0
-        view = self._call(lambda: self.conn.poll(req, step=step, eta_s=eta_s), None)
+        view = self._call(lambda: self.conn.poll(req, step=step, eta_s=eta_s, demand=demand), None)
+        if not self._settle(req):  # (after the poll: its answer came with or before the poll's)
+            return True, 0
         if view is not None:
             self._held[req] = view.get("prefix", view.get("published", 0)) or 0
         if view is None or view.get("state") in ("terminal", "unknown"):
@@ -199,6 +230,7 @@ class EngineAdapter:
         self._held.pop(req, None)
         if slot is not None and slot.lease is not None:
             self._call(lambda: self.conn.release(slot.lease), None, retry=False)
+        self._settle(req)
 
     def rollback_restore(self, req: str) -> list:
         """Admission failed after loading: release the lease; returns the pages to free."""
@@ -215,6 +247,7 @@ class EngineAdapter:
         if req in self.prefetching:
             self._call(lambda: self.conn.abort(req), None)
             self.prefetching.discard(req)
+        self._settle(req)
         self._chains.pop(req, None)
         self._held.pop(req, None)
         return pages

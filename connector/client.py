@@ -62,6 +62,7 @@ class SidecarClient:
         self._ids = itertools.count(1)
         self._encoder = protocol.Encoder(limits)
         self._pending: dict[int, dict] = {}  # completions read ahead of their waiter
+        self._discarded: set[int] = set()  # ids whose completion nobody waits for (see discard)
         self._segment: Segment | None = None
         self._ctl: ControlSegment | None = None
         self._pidfd: int | None = None
@@ -178,6 +179,7 @@ class SidecarClient:
             self._segment = None
         self.slot = None
         self._pending.clear()
+        self._discarded.clear()
 
     @property
     def attached(self) -> bool:
@@ -311,6 +313,20 @@ class SidecarClient:
             if now >= deadline and not frames:
                 raise RequestTimeout("no completion before the deadline", UnavailableCause.TIMED_OUT)
 
+    def take(self, rid: int) -> dict | None:
+        """Non-blocking: the completion of request ``rid`` if it has arrived (it is then no longer
+        kept), else None.  For a request sent with :meth:`send` whose answer is not waited for."""
+        reply = self._pending.pop(rid, None)
+        if reply is None:
+            self._drain_completions()
+            reply = self._pending.pop(rid, None)
+        return reply
+
+    def discard(self, rid: int) -> None:
+        """Nobody will wait for request ``rid``'s completion: drop it now, or when it arrives."""
+        if self._pending.pop(rid, None) is None:
+            self._discarded.add(rid)
+
     def poll_completions(self) -> list[dict]:
         """Non-blocking: every completion that arrived (and any read ahead)."""
         self._drain_completions()
@@ -336,7 +352,11 @@ class SidecarClient:
             except ProtocolError as exc:
                 log.error("undecodable completion from sidecar: %s", exc)
                 continue
-            self._pending[reply["id"]] = reply
+            rid = reply["id"]
+            if rid in self._discarded:
+                self._discarded.discard(rid)
+                continue
+            self._pending[rid] = reply
 
     def _wait_for_space(self, ready, deadline: float) -> None:
         """One bounded wait on our doorbell for submit-ring space (``ready``); the sidecar's

@@ -234,19 +234,21 @@ class KVConnector:
     def prefetch(self, chain: bytes, req: str, *, policy: str | None = None, attempt: int = 0,
                  budget_s: float | None = None, chunk_max_blocks: int | None = None, tokens: int | None = None,
                  checkpoints=None, checkpoint_every: int | None = None, eta_s: float | None = None,
-                 prefill_s_per_block: float | None = None) -> dict:
+                 prefill_s_per_block: float | None = None, wait: bool = True):
         """Start (or join) the session for (group, req, attempt) at queue entry, with the full chain.
 
         ``budget_s`` overrides the timeout policy's budget (default: the sidecar's
         ``min(max, base + per_ki_token × tokens / 1024)``; for ``cost_aware`` an optional cap).
         ``eta_s`` (seconds until the engine expects to start this request's prefill) and
-        ``prefill_s_per_block`` are ``cost_aware``'s engine inputs."""
-        return self.client.call("prefetch", req=req, chain=chain, ns=self.hasher.namespace or None,
-                                attempt=attempt or None, policy=policy, budget_s=budget_s,
-                                chunk_max_blocks=chunk_max_blocks, tokens=tokens,
-                                checkpoints=list(checkpoints) if checkpoints is not None else None,
-                                checkpoint_every=checkpoint_every, eta_s=eta_s,
-                                prefill_s_per_block=prefill_s_per_block)
+        ``prefill_s_per_block`` are ``cost_aware``'s engine inputs.  Returns the session's view;
+        with ``wait=False`` the request id at once (its view then comes with ``client.take``: the
+        ring keeps order, so it has arrived once any later call on this connection returned)."""
+        fields = dict(req=req, chain=chain, ns=self.hasher.namespace or None,
+                      attempt=attempt or None, policy=policy, budget_s=budget_s,
+                      chunk_max_blocks=chunk_max_blocks, tokens=tokens,
+                      checkpoints=list(checkpoints) if checkpoints is not None else None,
+                      checkpoint_every=checkpoint_every, eta_s=eta_s, prefill_s_per_block=prefill_s_per_block)
+        return self.client.call("prefetch", **fields) if wait else self.client.send("prefetch", **fields)
 
     def demand(self, req: str, attempt: int = 0) -> dict:
         """The request became a scheduling candidate (stops best_effort)."""
@@ -256,10 +258,13 @@ class KVConnector:
         """The request left: stop, drain, release everything its session held."""
         return self.client.call("abort", req=req, attempt=attempt or None)
 
-    def poll(self, req: str, attempt: int = 0, step: int | None = None, eta_s: float | None = None) -> dict:
+    def poll(self, req: str, attempt: int = 0, step: int | None = None, eta_s: float | None = None,
+             demand: bool = False) -> dict:
         """Session state; with ``step`` the group's first answer for that step.  ``eta_s``: a new
-        estimate of when the prefill can start (``cost_aware`` re-plans with it, once per step)."""
-        return self.client.call("poll", req=req, attempt=attempt or None, step=step, eta_s=eta_s)
+        estimate of when the prefill can start (``cost_aware`` re-plans with it, once per step).
+        ``demand``: the request became a scheduling candidate, as :meth:`demand` (one round trip)."""
+        return self.client.call("poll", req=req, attempt=attempt or None, step=step, eta_s=eta_s,
+                                demand=demand or None)
 
     def wait(self, req: str, attempt: int = 0, until: int | None = None, terminal: bool = False,
              timeout_s: float = 5.0) -> dict:

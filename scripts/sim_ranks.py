@@ -209,11 +209,11 @@ class _Rank:
             # could have started now.  (Demanding only the one an ETA puts at "now" was tried: the
             # virtual replay of the measured rows says it is worse — cost_aware kept reading for
             # requests the engine then waited on.)
-            if rid not in self.demanded:
+            demand = rid not in self.demanded  # the demand rides on this check (one round trip)
+            if demand:
                 self.demanded.add(rid)
-                self.ad.on_candidate(rid)
                 self.marks[rid]["candidate"] = time.monotonic()
-            ready, _ = self.ad.check_progress(rid, step, eta_s=eta)
+            ready, _ = self.ad.check_progress(rid, step, eta_s=eta, demand=demand)
             if not ready:
                 continue  # skipped: the scheduler goes on to the next request
             del self.queue[pos]

@@ -82,7 +82,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     ),
     "demand": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
     "abort": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
-    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT}, kv=True),
+    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT, "demand": BOOL}, kv=True),
     "wait": OpSchema({"req": STR}, {"attempt": INT, "until": INT, "terminal": BOOL, "wait_s": FLOAT}, kv=True),
 }
 

@@ -140,6 +140,12 @@ class SessionManager(Service):
         rec = self.records.get(self._key(conn, msg))
         if rec is None:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
+        self._demand(rec)
+        return self._view(rec)
+
+    def _demand(self, rec: Record) -> None:
+        """The request became a scheduling candidate (``demand``, or a ``poll`` with ``demand``);
+        idempotent: every rank of the group sends it."""
         self._trigger(rec, "demand")
         if not rec.demanded:  # its queued reads go ahead of every request not yet a candidate
             for io in rec.chunks.values():
@@ -150,7 +156,6 @@ class SessionManager(Service):
         if rec.eta is None or rec.eta > now:
             rec.eta = now  # a scheduling candidate: its prefill could start now
         self._run(rec, rec.machine.handle(Demand(now, self._outlook(rec, now))))
-        return self._view(rec)
 
     def op_abort(self, conn, msg) -> dict:
         rec = self.records.get(self._key(conn, msg))
@@ -162,10 +167,15 @@ class SessionManager(Service):
         return self._view(rec)
 
     def op_poll(self, conn, msg) -> dict:
+        """The session's view (with ``step``, the group's first answer for that step).  With
+        ``demand`` the request became a scheduling candidate first (``demand`` and this poll in
+        one round trip: a scheduler demands and checks a request in the same scan)."""
         def compute(grouped):
             rec = self.records.get(self._key(conn, msg))
             if rec is None:
                 return {"state": "unknown"}
+            if msg.get("demand"):
+                self._demand(rec)
             eta_s = msg.get("eta_s")
             if eta_s is not None and rec.policy == Policy.COST_AWARE.value and rec.machine.state != State.TERMINAL:
                 now = self.clock()

@@ -69,6 +69,58 @@ def test_store_then_reuse_through_the_hooks(sidecar_factory, instance, tmp_path)
     ad.close()
 
 
+def test_queue_entry_does_not_wait_and_every_answer_is_taken(sidecar_factory, instance, tmp_path):
+    """``on_queue_entry`` sends the prefetch without waiting for it (the engine's loop goes on);
+    the next hook for that request takes its answer, so no completion is left behind in the
+    client, whichever hook comes next (demand and check in one call, a check, an abort)."""
+    sidecar_factory(**overrides(tmp_path))
+    ad = make_adapter(instance, policy="best_effort")
+    assert ad.start()
+    serve(ad, "warm", TOKS, 1)  # resident: every later prefetch has a session at once
+    client = ad.conn.client
+    for i, first in enumerate(["check_with_demand", "check", "candidate", "abort"]):
+        req = f"r{i}"
+        ad.on_queue_entry(req, TOKS)
+        assert req in ad.prefetching and req in ad._sent  # sent, not answered yet as far as we know
+        if first == "check_with_demand":
+            assert ad.check_progress(req, 10 + i, demand=True)[0]
+        elif first == "check":
+            wait_until(lambda: ad.check_progress(req, 10 + i)[0], 10, f"{req} ready")
+        elif first == "candidate":
+            ad.on_candidate(req)
+        else:
+            ad.on_abort(req)
+        assert req not in ad._sent and not client._pending, (first, client._pending)
+        if first != "abort":
+            ad.on_abort(req)
+    assert serve(ad, "again", TOKS, 30) == len(TOKS)  # and the whole path still restores
+    assert not ad._sent and not client._pending
+    wait_l3_idle(ad.conn)  # a write-behind PUT holds its blocks until it lands
+    s = books(ad)
+    assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0 and s["pool"]["staging"] == 0
+    ad.close()
+
+
+def test_a_refused_prefetch_is_a_miss_not_a_wait(sidecar_factory, instance, tmp_path, caplog):
+    """A prefetch the sidecar refuses (the same request id over another chain: a reused id) is
+    answered after the engine moved on; the next check takes that answer and admits the request
+    at once with nothing restored, and the request is no longer prefetching."""
+    sidecar_factory(**overrides(tmp_path))
+    ad = make_adapter(instance, policy="best_effort")
+    assert ad.start()
+    ad.on_queue_entry("dup", TOKS)
+    assert ad.check_progress("dup", 5, demand=True)[0] is not None
+    other = [t + 1000 for t in TOKS]
+    ad._chains.pop("dup")  # the engine forgot the request, its id is reused for another prompt
+    ad.on_queue_entry("dup", other)
+    with caplog.at_level("WARNING", logger="kvsidecar.connector.adapter"):
+        assert ad.check_progress("dup", 6) == (True, 0)
+    assert "dup" not in ad.prefetching and "refused" in caplog.text
+    assert not ad.conn.client._pending
+    ad.on_abort("dup")
+    ad.close()
+
+
 @pytest.mark.parametrize("stage", ["queued", "demanded", "progress_done", "admitted", "stored"])
 def test_abort_at_every_stage_leaves_nothing(sidecar_factory, instance, tmp_path, stage):
     sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}))

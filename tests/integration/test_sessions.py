@@ -96,6 +96,28 @@ def test_best_effort_stops_on_demand_and_completes_when_queued(sidecar_factory, 
         books(c)
 
 
+def test_a_poll_with_demand_is_a_demand_in_one_round_trip(sidecar_factory, instance, tmp_path, kv, l3_filled,
+                                                            read_gate):
+    """``poll(demand=True)``: the scheduler demands and checks a request in the same scan.  It
+    stops best_effort as ``demand`` does (the read in flight drains; the prefix is what landed),
+    answers the poll in the same reply, and is idempotent; for a request without a session it
+    is the plain poll's "unknown", not an error.  ``poll`` without it leaves best_effort reading."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}, **read_gate.overrides()))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
+        wait_read_held(c)  # a chunk's read is in flight
+        assert c.poll("a", step=1)["state"] == "running"  # a plain poll does not stop it
+        v = c.poll("a", step=2, demand=True)
+        assert v["state"] == "draining"  # stopped by this very call: it waits for the held read
+        assert c.poll("a", step=3, demand=True)["state"] == "draining"  # idempotent
+        read_gate.open()
+        p = wait_terminal(c, "a")
+        assert p["status"] == "demanded" and p["prefix"] < N
+        get_and_check(c, l3_filled, "a", kv)
+        assert c.poll("never-started", step=4, demand=True)["state"] == "unknown"
+        books(c)
+
+
 def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_path, kv, l3_filled, read_gate):
     sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}, **read_gate.overrides()))
     with KVConnector(instance, LAY) as c:
