@@ -217,6 +217,7 @@ FIELD = {
     # the deferred session wait: short deadlines (the fuzzing client waits for every reply)
     "until": st.sampled_from([0, 1, 3, 100, MAX_ID]),
     "terminal": st.booleans(),
+    "demand": st.booleans(),
     "wait_s": st.sampled_from([0, 0.0, 1e-4, 0.001, 0.02]),
 }
 FUZZ_OPS = sorted(op for op in P.OP_SCHEMAS if op != "detach")  # a detach would end the fuzzing client
