@@ -21,6 +21,9 @@ SGLang                                      adapter
 load-back done / rollback                   :meth:`commit_restore` / :meth:`rollback_restore`
 ``write_backup_storage`` (after prefill)    :meth:`store_after_prefill`
 =========================================  ==========================================
+
+A scheduler that checks its whole waiting queue each step (stopping at the first ready request)
+does it in one round trip with :meth:`check_queue`, with the same answers and effects.
 """
 
 from __future__ import annotations
@@ -197,6 +200,30 @@ class EngineAdapter:
         if view is None or view.get("state") in ("terminal", "unknown"):
             return True, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
         return False, 0
+
+    def check_queue(self, scan: list, step: int) -> tuple[int | None, int]:
+        """:meth:`check_progress` for a scheduler's scan of its waiting queue, in one round trip.
+
+        ``scan``: ``(req, eta_s, demand)`` in queue order.  Returns ``(position of the first
+        request ready to admit, or None; its tokens restorable)`` — exactly what checking them
+        one by one, stopping at the first ready one, returns, and with the same effect on the
+        sidecar: a request behind the first ready one is neither polled nor demanded.  Identical
+        on every rank for the same step."""
+        asked = []
+        for req, eta_s, demand in scan:
+            if req not in self.prefetching:
+                break  # ready without asking: the scan stops here
+            asked.append((req, eta_s, demand))
+        views = self._call(lambda: self.conn.poll_scan(asked, step=step), None) if asked else []
+        for pos, (req, _, _) in enumerate(asked):
+            view = views[pos] if views is not None and pos < len(views) else None
+            if not self._settle(req):
+                return pos, 0
+            if view is not None and view.get("state") != "error":
+                self._held[req] = view.get("prefix", view.get("published", 0)) or 0
+            if view is None or view.get("state") in ("terminal", "unknown", "error"):
+                return pos, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
+        return (len(asked), 0) if len(asked) < len(scan) else (None, 0)
 
     def admit(self, req: str, token_ids, step: int, alloc_pages) -> RestoreSlot:
         """Lookup + held GET + load into freshly allocated engine pages.

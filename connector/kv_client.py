@@ -36,6 +36,7 @@ from kvsidecar._native.checksum import first_mismatch, region_sums
 from kvsidecar.shm.chain import KEY_BYTES
 from kvsidecar.shm.errors import CorruptBlock, RemoteError
 from kvsidecar.shm.layout import KVLayout
+from kvsidecar.shm.protocol import MAX_SCAN
 from kvsidecar.shm.segment import Segment
 
 from .client import SidecarClient
@@ -265,6 +266,29 @@ class KVConnector:
         ``demand``: the request became a scheduling candidate, as :meth:`demand` (one round trip)."""
         return self.client.call("poll", req=req, attempt=attempt or None, step=step, eta_s=eta_s,
                                 demand=demand or None)
+
+    def poll_scan(self, polls: list, step: int | None = None, until_ready: bool = True) -> list[dict]:
+        """A scheduler's scan of its queue in one round trip: ``polls`` are ``(req, eta_s, demand)``
+        in queue order, each answered exactly as :meth:`poll` would (same step, same group
+        decision).  With ``until_ready`` the sidecar stops after the first request ready to admit
+        (its session terminal or unknown), so nothing behind it is demanded.  Returns the views of
+        the entries taken, in order (a refused entry: ``{"state": "error", ...}``)."""
+        entries = []
+        for req, eta_s, demand in polls:
+            e = {"req": req}
+            if eta_s is not None:
+                e["eta_s"] = eta_s
+            if demand:
+                e["demand"] = True
+            entries.append(e)
+        views = []
+        for i in range(0, len(entries), MAX_SCAN):  # (a queue longer than one frame: in pieces)
+            part = self.client.call("poll_scan", polls=entries[i:i + MAX_SCAN], step=step,
+                                    until_ready=until_ready or None)["views"]
+            views.extend(part)
+            if until_ready and len(part) < len(entries[i:i + MAX_SCAN]):
+                break
+        return views
 
     def wait(self, req: str, attempt: int = 0, until: int | None = None, terminal: bool = False,
              timeout_s: float = 5.0) -> dict:

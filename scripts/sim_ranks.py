@@ -203,23 +203,22 @@ class _Rank:
                 return out
             self.running["end"] = busy_until
             out["done"] = self.complete(t0)
-        for pos, rid in enumerate(self.queue):
-            eta = self.eta_s(pos)
-            # a scanned request is a scheduling candidate (SGLang's terminate_prefetch check): it
-            # could have started now.  (Demanding only the one an ETA puts at "now" was tried: the
-            # virtual replay of the measured rows says it is worse — cost_aware kept reading for
-            # requests the engine then waited on.)
-            demand = rid not in self.demanded  # the demand rides on this check (one round trip)
+        # a scanned request is a scheduling candidate (SGLang's terminate_prefetch check): it
+        # could have started now.  (Demanding only the one an ETA puts at "now" was tried: the
+        # virtual replay of the measured rows says it is worse — cost_aware kept reading for
+        # requests the engine then waited on.)  The demand rides on the scan's check, and the
+        # whole scan is one round trip, stopping at the first ready request as the loop would.
+        scan = [(rid, eta, rid not in self.demanded) for rid, eta in zip(self.queue, self.etas())]
+        pos, _ = self.ad.check_queue(scan, step)
+        now = time.monotonic()
+        for rid, _, demand in scan[:len(scan) if pos is None else pos + 1]:
             if demand:
                 self.demanded.add(rid)
-                self.marks[rid]["candidate"] = time.monotonic()
-            ready, _ = self.ad.check_progress(rid, step, eta_s=eta, demand=demand)
-            if not ready:
-                continue  # skipped: the scheduler goes on to the next request
-            del self.queue[pos]
+                self.marks[rid]["candidate"] = now
+        if pos is not None:
+            rid = self.queue.pop(pos)
             out["admitted"] = self.admit(rid, step)
             out["end"] = self.running["end"]
-            break
         return out
 
     def busy_s(self) -> float:
@@ -231,6 +230,14 @@ class _Rank:
         blocks its session already holds, from that request's last poll)."""
         ahead = sum(len(self.stream[r][1]) // self.T - self.ad.restorable_blocks(r) for r in self.queue[:position])
         return self.ad.eta_s(ahead, busy_s=self.busy_s())
+
+    def etas(self) -> list:
+        """:meth:`eta_s` of every queued request, in queue order (one pass)."""
+        out, ahead, busy = [], 0, self.busy_s()
+        for r in self.queue:
+            out.append(self.ad.eta_s(ahead, busy_s=busy))
+            ahead += len(self.stream[r][1]) // self.T - self.ad.restorable_blocks(r)
+        return out
 
     def admit(self, rid: str, step: int) -> tuple:
         arr, toks = self.stream[rid]

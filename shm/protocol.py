@@ -43,7 +43,7 @@ DEFAULT_LIMITS = Limits()
 
 _SCALARS = (int, float, bool, str)
 
-# Field kinds.
+# Field kinds.  (An ``OpSchema`` as a kind: a list of maps, each checked against that schema.)
 INT, SINT, FLOAT, BOOL, STR, BYTES, CHAIN, MAP, INTLIST = range(9)
 
 
@@ -55,6 +55,10 @@ class OpSchema:
 
 
 _TP = {"group": STR, "req": STR, "attempt": INT, "step": INT}
+
+# One entry of a ``poll_scan``: what a ``poll`` of that request carries, less the shared ``step``.
+POLL_ENTRY = OpSchema({"req": STR}, {"attempt": INT, "eta_s": FLOAT, "demand": BOOL})
+MAX_SCAN = 256  # entries per poll_scan (its answer stays well inside a frame); longer queues go in pieces
 
 # The op table: every op the sidecar serves, its fields, and whether it needs a KV attach.
 # The control loop refuses to mount a handler for an op that is not here (kvsidecar.sidecar.service).
@@ -84,6 +88,10 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "abort": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
     "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT, "demand": BOOL}, kv=True),
     "wait": OpSchema({"req": STR}, {"attempt": INT, "until": INT, "terminal": BOOL, "wait_s": FLOAT}, kv=True),
+    # a scheduler's scan of its waiting queue in one round trip: each entry is a ``poll`` (same
+    # step, same group decision), in order; with ``until_ready`` the scan stops after the first
+    # entry whose session is ready to admit (terminal or unknown), as the scheduler's own scan does
+    "poll_scan": OpSchema({"polls": POLL_ENTRY}, {"step": INT, "until_ready": BOOL}, kv=True),
 }
 
 
@@ -174,6 +182,27 @@ def _check(name: str, kind: int, value: Any, limits: Limits) -> None:
             raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a list of non-negative ints")
         if len(value) > limits.max_blocks:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r} longer than {limits.max_blocks}")
+    elif type(kind) is OpSchema:
+        if t is not list:
+            raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} must be a list of maps")
+        if len(value) > MAX_SCAN:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r} has over {MAX_SCAN} entries")
+        for i, entry in enumerate(value):
+            if type(entry) is not dict:
+                raise ProtocolError(ErrorCode.MALFORMED, f"{name}[{i}] must be a map")
+            _check_fields(f"{name}[{i}]", kind, entry, limits)
+    else:
+        raise ProtocolError(ErrorCode.MALFORMED, f"field {name!r} has no kind")  # (a schema bug)
+
+
+def _check_fields(what: str, schema: OpSchema, msg: dict, limits: Limits) -> None:
+    for name, kind in schema.required.items():
+        if name not in msg:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{what}: missing field {name!r}")
+        _check(name, kind, msg[name], limits)
+    for name, kind in schema.optional.items():
+        if name in msg and msg[name] is not None:
+            _check(name, kind, msg[name], limits)
 
 
 def decode_request(data, limits: Limits = DEFAULT_LIMITS) -> dict:
@@ -201,13 +230,7 @@ def decode_request(data, limits: Limits = DEFAULT_LIMITS) -> dict:
     if schema is None:
         raise _err(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}"[:200], rid)
     try:
-        for name, kind in schema.required.items():
-            if name not in msg:
-                raise ProtocolError(ErrorCode.MALFORMED, f"{op}: missing field {name!r}")
-            _check(name, kind, msg[name], limits)
-        for name, kind in schema.optional.items():
-            if name in msg and msg[name] is not None:
-                _check(name, kind, msg[name], limits)
+        _check_fields(op, schema, msg, limits)
     except ProtocolError as exc:
         exc.request_id = rid
         raise

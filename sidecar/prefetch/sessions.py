@@ -82,7 +82,7 @@ class SessionManager(Service):
 
     def ops(self) -> dict:
         return {"prefetch": self.op_prefetch, "demand": self.op_demand, "abort": self.op_abort,
-                "poll": self.op_poll, "wait": self.op_wait}
+                "poll": self.op_poll, "poll_scan": self.op_poll_scan, "wait": self.op_wait}
 
     # -- ops --------------------------------------------------------------------------------------
     def _key(self, conn, msg) -> tuple:
@@ -187,6 +187,31 @@ class SessionManager(Service):
             return view
 
         return self.core.decided(conn, "poll", msg, compute)
+
+    def op_poll_scan(self, conn, msg) -> dict:
+        """A scheduler's scan of its waiting queue in one round trip: each entry is exactly a
+        ``poll`` (the same group decision per request and step, so ranks that scan and ranks that
+        poll one by one get the same answers), taken in order.  With ``until_ready`` the scan
+        stops after the first entry that is ready to admit (terminal or unknown session, or a
+        refused entry), so nothing behind it is demanded — as the scheduler's own scan, which
+        starts that request, never reaches them.  ``views``: one per entry taken, in order; a
+        refused entry's view is ``{"state": "error", "err", "msg"}`` (the scan goes on past it
+        only without ``until_ready``)."""
+        step, until_ready = msg.get("step"), bool(msg.get("until_ready"))
+        views = []
+        for entry in msg["polls"]:
+            one = dict(entry)
+            if step is not None:
+                one["step"] = step
+            try:
+                view = self.op_poll(conn, one)
+            except OpError as exc:
+                self._counters["scan_refused"] += 1
+                view = {"state": "error", "err": int(exc.code), "msg": exc.message}
+            views.append(view)
+            if until_ready and view["state"] in ("terminal", "unknown", "error"):
+                break
+        return {"views": views}
 
     def op_wait(self, conn, msg):
         """Deferred: the view once the session's L3 query is done (or ``until`` blocks are

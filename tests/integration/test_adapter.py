@@ -101,6 +101,47 @@ def test_queue_entry_does_not_wait_and_every_answer_is_taken(sidecar_factory, in
     ad.close()
 
 
+def test_check_queue_is_the_scan_stopping_at_the_first_ready_request(sidecar_factory, instance, tmp_path,
+                                                                       read_gate):
+    """``check_queue``: the scheduler's scan in one round trip.  A request that is not
+    prefetching is ready without asking, and the scan stops there: a request behind it is not
+    demanded (it keeps reading); a demanded one stops; the first ready one is returned with what
+    it restores, and every prefetch answer is taken."""
+    from ..waiting import wait_read_held
+
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0}, **read_gate.overrides()))
+    ad = make_adapter(instance, policy="best_effort")
+    assert ad.start()
+    assert serve(ad, "warm", TOKS, 1) == 0  # computed and stored (no L3 read: the gate stays shut)
+    wait_l3_idle(ad.conn)
+    ad.conn.flush()
+    ad.on_queue_entry("q0", TOKS)
+    wait_read_held(ad.conn)  # q0 reads from L3
+    assert ad.check_queue([("absent", None, True), ("q0", 0.1, True)], 5) == (0, 0)
+    assert ad.conn.poll("q0")["state"] == "running"  # behind the ready one: not demanded
+    assert ad.check_queue([("q0", 0.1, False)], 6) == (None, 0)  # asked, not ready, still reading
+    assert ad.conn.poll("q0")["state"] == "running"
+    assert ad.check_queue([("q0", 0.0, True), ("absent", None, True)], 7) == (1, 0)  # q0 demanded, absent ready
+    assert ad.conn.poll("q0")["state"] == "draining"
+    read_gate.open()
+    step = [7]
+
+    def ready():
+        step[0] += 1
+        pos, tokens = ad.check_queue([("q0", None, False), ("absent", None, False)], step[0])
+        return pos == 0 and tokens
+
+    tokens = wait_until(ready, 10, "q0 terminal")
+    assert tokens and tokens % LAY.tokens_per_block == 0 and tokens < len(TOKS)  # what landed by the demand
+    assert not ad._sent and not ad.conn.client._pending
+    slot = ad.admit("q0", TOKS, step[0] + 1, alloc_from(list(range(40))))
+    assert slot.tokens == tokens
+    ad.commit_restore("q0")
+    s = books(ad)
+    assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0 and s["pool"]["staging"] == 0
+    ad.close()
+
+
 def test_a_refused_prefetch_is_a_miss_not_a_wait(sidecar_factory, instance, tmp_path, caplog):
     """A prefetch the sidecar refuses (the same request id over another chain: a reused id) is
     answered after the engine moved on; the next check takes that answer and admits the request

@@ -118,6 +118,43 @@ def test_a_poll_with_demand_is_a_demand_in_one_round_trip(sidecar_factory, insta
         books(c)
 
 
+def test_a_poll_scan_is_the_schedulers_scan_in_one_round_trip(sidecar_factory, instance, tmp_path, kv, l3_filled,
+                                                                read_gate):
+    """``poll_scan``: each entry is exactly a ``poll`` (demand, the group's decision per request
+    and step); with ``until_ready`` the scan stops after the first request ready to admit, so a
+    request behind it is neither polled nor demanded; a refused entry does not fail the scan."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}, **read_gate.overrides()))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
+        wait_read_held(c)  # a's chunk read is in flight: a is running
+        for r in ("b", "c"):  # (their first chunk is a's, in flight: they wait for it)
+            c.prefetch(l3_filled, r, policy="best_effort", chunk_max_blocks=4)
+        views = c.poll_scan([("a", 0.5, True), ("ghost", None, True), ("b", None, True)], step=1)
+        assert [v["state"] for v in views] == ["draining", "unknown"]  # stopped at the ready "ghost"
+        again = c.poll("a", step=1)  # the same request and step as a plain poll: the recorded answer
+        again.pop("id"), again.pop("ok")
+        assert again == views[0]
+        live = ("querying", "running")
+        assert c.poll("b", step=2)["state"] in live  # behind the ready one: not demanded
+        views = c.poll_scan([("b", None, False), ("ghost", None, False), ("c", None, True)], step=3,
+                            until_ready=False)
+        assert views[0]["state"] in live and views[1]["state"] == "unknown" and len(views) == 3
+        assert views[2]["state"] in ("draining", "terminal")  # demanded (terminal: it held no read of its own)
+        with pytest.raises(RemoteError) as ei:  # a malformed entry: the whole request is refused, typed
+            c.client.call("poll_scan", polls=[{"req": "a"}, {"eta_s": 1.0}])
+        assert ei.value.code == ErrorCode.MALFORMED
+        assert c.poll_scan([], step=4) == []
+        read_gate.open()
+        for r in ("a", "b", "c"):
+            p = wait_terminal(c, r)
+            assert p["status"] == ("complete" if r == "b" else "demanded"), (r, p)
+        assert [v["state"] for v in c.poll_scan([(r, None, True) for r in "abc"], step=5)] == ["terminal"]
+        for r in ("a", "b", "c"):
+            get_and_check(c, l3_filled, r, kv)
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
 def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_path, kv, l3_filled, read_gate):
     sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}, **read_gate.overrides()))
     with KVConnector(instance, LAY) as c:

@@ -219,7 +219,17 @@ FIELD = {
     "terminal": st.booleans(),
     "demand": st.booleans(),
     "wait_s": st.sampled_from([0, 0.0, 1e-4, 0.001, 0.02]),
+    "until_ready": st.booleans(),
 }
+# a poll_scan's entries: mostly well-formed polls of real and unknown requests, sometimes a bad
+# entry (a missing req, a junk field value, not a map) or a list over MAX_SCAN
+_poll_entry = st.fixed_dictionaries({"req": reqs}, optional={
+    "attempt": FIELD["attempt"], "eta_s": FIELD["eta_s"], "demand": FIELD["demand"]})
+FIELD["polls"] = st.one_of(
+    st.lists(_poll_entry, max_size=6), st.lists(_poll_entry, max_size=6),
+    st.lists(_poll_entry | st.fixed_dictionaries({"attempt": FIELD["attempt"]})
+             | st.fixed_dictionaries({"req": reqs, "eta_s": st.just(-1.0) | texts}) | small_ints, max_size=4),
+    st.builds(lambda n: [{"req": "r"}] * n, st.sampled_from([P.MAX_SCAN, P.MAX_SCAN + 1])))
 FUZZ_OPS = sorted(op for op in P.OP_SCHEMAS if op != "detach")  # a detach would end the fuzzing client
 # the ops that touch state, twice as often
 OP_CHOICE = FUZZ_OPS + ["prefetch", "get", "store", "commit", "release", "poll", "abort", "demand", "restore"]
@@ -249,6 +259,10 @@ def acceptable(kind: int, v) -> bool:
             and (type(x) is not str or len(x) <= 256) for k, x in v.items())
     if kind == P.INTLIST:
         return t is list and len(v) <= MAX_BLOCKS and all(type(x) is int and x >= 0 for x in v)
+    if type(kind) is P.OpSchema:  # a list of maps, each a message of that schema
+        return t is list and len(v) <= P.MAX_SCAN and all(
+            type(e) is dict and all(n in e and acceptable(k, e[n]) for n, k in kind.required.items())
+            and all(e.get(n) is None or acceptable(k, e[n]) for n, k in kind.optional.items()) for e in v)
     raise AssertionError(kind)
 
 
@@ -653,7 +667,7 @@ def test_protocol_fuzz(victim_world, instance):
     for code in (ErrorCode.MALFORMED, ErrorCode.BAD_VERSION, ErrorCode.UNKNOWN_OP, ErrorCode.TOO_LARGE,
                  ErrorCode.BAD_FIELD, ErrorCode.NOT_ATTACHED, ErrorCode.NOT_OWNER, ErrorCode.UNKNOWN_ID):
         assert codes[int(code)] > 0, f"no {code.name} seen: the generator lost coverage"
-    for op in ("prefetch", "get", "store", "release", "poll"):
+    for op in ("prefetch", "get", "store", "release", "poll", "poll_scan"):
         assert totals[f"ok_{op}"] > 0, f"no successful {op}"
     # a commit reached an open staging of its own: it published, or its checksums were refused
     # (the one BAD_FIELD a commit can get, checked after ownership and writers)
@@ -787,7 +801,7 @@ def check_batch(sent, unreadable_replies, target, world: World, codes, totals) -
                 "attach", "ping", "stats"):
             # an observer / unattached slot may only ping and read stats (unless the fuzz attached it)
             assert target == "fresh" or e["op"] not in ("lookup", "get", "store", "commit", "release",
-                                                        "prefetch", "poll", "demand", "abort", "restore",
+                                                        "prefetch", "poll", "poll_scan", "demand", "abort", "restore",
                                                         "flush"), f"{e['desc']} served to {target}: {c}"
 
 

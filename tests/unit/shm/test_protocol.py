@@ -50,11 +50,33 @@ def test_round_trip():
     (req(op="get", chain=b"", ns="x" * 300), ErrorCode.TOO_LARGE, 7),
     (req(op="prefetch", req="r", chain=b"", budget_s=-1.0), ErrorCode.BAD_FIELD, 7),
     (req(op="prefetch", req="r", chain=b"", checkpoints=[1, "a"]), ErrorCode.MALFORMED, 7),
+    (req(op="poll_scan"), ErrorCode.MALFORMED, 7),
+    (req(op="poll_scan", polls={"req": "a"}), ErrorCode.MALFORMED, 7),  # a map, not a list of maps
+    (req(op="poll_scan", polls=["a"]), ErrorCode.MALFORMED, 7),
+    (req(op="poll_scan", polls=[{"req": "a"}, {"eta_s": 1.0}]), ErrorCode.MALFORMED, 7),  # no req
+    (req(op="poll_scan", polls=[{"req": "a", "eta_s": -1.0}]), ErrorCode.BAD_FIELD, 7),
+    (req(op="poll_scan", polls=[{"req": "a", "demand": 1}]), ErrorCode.MALFORMED, 7),
+    (req(op="poll_scan", polls=[{"req": "x" * 300}]), ErrorCode.TOO_LARGE, 7),
+    (req(op="poll_scan", polls=[{"req": "a"}] * (p.MAX_SCAN + 1)), ErrorCode.TOO_LARGE, 7),
+    (req(op="poll_scan", polls=[], until_ready="yes"), ErrorCode.MALFORMED, 7),
     (msgpack.packb({"v": 1, "op": "ping", "id": 1, 5: 1}), ErrorCode.MALFORMED, None),
     (msgpack.packb({"v": 1, "op": "ping", "id": 1, "x": msgpack.ExtType(1, b"a")}), ErrorCode.MALFORMED, None),
 ])
 def test_bad_frames_get_typed_errors(data, code, rid):
     assert code_of(data) == (code, rid)
+
+
+def test_poll_scan_entries_are_polls():
+    polls = [{"req": "a", "eta_s": 0.5, "demand": True}, {"req": "b", "attempt": 2}, {"req": "c", "eta_s": None}]
+    m = p.decode_request(req(op="poll_scan", polls=polls, step=9, until_ready=True))
+    assert m["polls"] == polls and m["step"] == 9
+    assert p.decode_request(req(op="poll_scan", polls=[{"req": "a"}] * p.MAX_SCAN))["polls"][-1] == {"req": "a"}
+    # the answer to a full scan of terminal views fits a frame
+    view = {"session": 2**40, "state": "terminal", "policy": "cost_aware", "published": 8192, "target": 8192,
+            "planned": 8192, "existed": False, "status": "complete", "prefix": 8192, "reason": "x" * 40,
+            "lease": 2**40, "restored": 8192, "chunks": 512, "chunk_ms_max": 123.456, "transfer_ms_max": 123.456,
+            "stop_ms": 12.345, "drain_ms": 12.345}
+    p.encode(p.ok_completion(1, {"views": [view] * p.MAX_SCAN}))
 
 
 def test_frame_size_bound():
@@ -88,7 +110,8 @@ _values = st.recursive(
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(sorted(p.OP_SCHEMAS)), st.dictionaries(st.sampled_from(
     ["chain", "lease", "req", "ns", "max_blocks", "payload", "staging", "ok", "budget_s", "checkpoints",
-     "instance", "group", "rank", "group_size", "pid", "start", "layout", "attempt", "step"]), _values, max_size=6))
+     "instance", "group", "rank", "group_size", "pid", "start", "layout", "attempt", "step", "demand",
+     "polls", "until_ready"]), _values, max_size=6))
 def test_structured_fuzz_never_crashes(op, fields):
     msg = {"v": 1, "op": op, "id": 1, **fields}
     try:
