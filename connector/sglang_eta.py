@@ -169,10 +169,13 @@ class SchedulerEta:
     """Per rank: computes ETAs at every ``get_new_batch_prefill`` (BEFORE hook) and at queue
     entry (``prefetch_from_storage``), and sends them (rank 0 only) from a sender thread.
 
-    ``send(update)`` runs on the sender thread (a sidecar ``poll`` with ``eta_s``);
+    ``send(updates)`` runs on the sender thread with one iteration's updates and returns one
+    state per update, in order (one sidecar ``poll_scan`` carrying every ``eta_s``: an
+    iteration's updates cost one round trip, not one each);
     ``tracked(rid, attempt)`` says whether the request has a live cost_aware session."""
 
-    def __init__(self, tokens_per_block: int, *, sender: bool, send: Callable[[EtaUpdate], None],
+    def __init__(self, tokens_per_block: int, *, sender: bool,
+                 send: Callable[[list[EtaUpdate]], list],
                  tracked: Callable[[str, int], bool], clock: Callable[[], float] = time.monotonic,
                  queue_batches: int = 64, history: int = 0):
         self.tokens_per_block = tokens_per_block
@@ -245,16 +248,18 @@ class SchedulerEta:
             batch = self._q.get()
             if batch is None:
                 return
-            for u in batch:
-                try:
-                    state = self._send(u)
-                    self.sent_log.append((u.rid, round(u.eta_s, 6), state))
-                    self.counters["sent"] += 1
-                    if isinstance(state, str):  # the session's state as the sidecar answered
-                        self.counters[f"sent_{state}"] += 1
-                except Exception:  # a failed update only leaves the sidecar's older ETA in place
-                    self.counters["send_failed"] += 1
-                    log.debug("kvsidecar ETA update for %s failed", u.rid, exc_info=True)
+            try:
+                states = list(self._send(batch))
+            except Exception:  # a failed batch only leaves the sidecar's older ETAs in place
+                self.counters["send_failed"] += len(batch)
+                log.debug("kvsidecar ETA updates (%d) failed", len(batch), exc_info=True)
+                continue
+            self.counters["round_trips"] += 1
+            for u, state in zip(batch, states + [None] * (len(batch) - len(states))):
+                self.sent_log.append((u.rid, round(u.eta_s, 6), state))
+                self.counters["sent"] += 1
+                if isinstance(state, str):  # the session's state as the sidecar answered
+                    self.counters[f"sent_{state}"] += 1
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._closed = True

@@ -247,12 +247,15 @@ def eta_for(backend: KvSidecarHiCacheStorage) -> SchedulerEta | None:
     if backend.config.sessions.policy != "cost_aware":
         return None
 
-    def send(u):
+    def send(updates):
         t0 = time.perf_counter()
-        view = backend._call(lambda c: c.poll(u.rid, attempt=u.attempt, eta_s=u.eta_s), None)
+        views = backend._call(lambda c: c.poll_scan([(u.rid, u.eta_s, False, u.attempt) for u in updates],
+                                                    until_ready=False), None) or []
         if backend.trace is not None:
-            backend.trace(u.rid, "eta_sent", t0, time.perf_counter())
-        return (view or {}).get("state", "unavailable")
+            t1 = time.perf_counter()
+            for u in updates:
+                backend.trace(u.rid, "eta_sent", t0, t1)
+        return [v.get("state", "unavailable") for v in views] + ["unavailable"] * (len(updates) - len(views))
 
     def tracked(rid, attempt):
         return backend.session(rid, attempt) is not None

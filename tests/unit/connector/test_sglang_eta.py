@@ -63,11 +63,12 @@ def _scheduler(queue, busy_us=0, tokens=0, chunked=None):
 def test_scheduler_glue_sends_from_rank_0_only_on_its_sender_thread():
     sent, done, threads = [], threading.Event(), set()
 
-    def send(u):
+    def send(batch):
         threads.add(threading.current_thread().name)
-        sent.append((u.rid, round(u.eta_s, 6)))
+        sent.extend((u.rid, round(u.eta_s, 6)) for u in batch)
         if len(sent) == 2:
             done.set()
+        return ["running"] * len(batch)
 
     now = [100.0]
     sched = _scheduler([("a", 1024, 0), ("b", 2048, 1024)], busy_us=20_000, tokens=1024, chunked=("c", 512, 256))
@@ -93,7 +94,7 @@ def test_scheduler_glue_sends_from_rank_0_only_on_its_sender_thread():
 
 def test_a_blocked_sender_never_blocks_the_scheduler():
     gate = threading.Event()
-    eta = SchedulerEta(16, sender=True, send=lambda u: gate.wait(5.0), tracked=lambda r, a: True, queue_batches=2)
+    eta = SchedulerEta(16, sender=True, send=lambda batch: [gate.wait(5.0)] * len(batch), tracked=lambda r, a: True, queue_batches=2)
     sched = _scheduler([("a", 1024)], busy_us=10_000, tokens=1000, chunked=("c", 512))
     eta.on_iteration(_scheduler([], busy_us=0, tokens=0))
     eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)  # every iteration is material: one batch each
@@ -103,3 +104,30 @@ def test_a_blocked_sender_never_blocks_the_scheduler():
     assert eta.counters["batches_dropped"] >= 7
     gate.set()
     eta.close()
+
+
+def test_an_iterations_updates_go_in_one_round_trip_and_a_failed_one_leaves_the_books_straight():
+    calls, done = [], threading.Event()
+    answers = [lambda b: ["running", "terminal"], lambda b: 1 / 0, lambda b: ["running"]]
+
+    def send(batch):
+        calls.append([u.rid for u in batch])
+        try:
+            return answers[len(calls) - 1](batch)
+        finally:
+            if len(calls) == 3:
+                done.set()
+
+    eta = SchedulerEta(16, sender=True, send=send, tracked=lambda r, a: True)
+    eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)  # every iteration is material: one batch each
+    eta.on_iteration(_scheduler([], busy_us=0, tokens=0))
+    for ahead in (512, 1024, 2048):  # the chunked prefill ahead grows: both ETAs move every time
+        eta.on_iteration(_scheduler([("a", 1024), ("b", 2048)], busy_us=10_000, tokens=1000, chunked=("c", ahead)))
+    assert done.wait(5.0)
+    eta.close()
+    assert calls == [["a", "b"]] * 3  # one send per iteration, every update of it in order
+    c = eta.counters
+    assert (c["batches"], c["round_trips"], c["sent"], c["send_failed"]) == (3, 2, 4, 2)
+    assert (c["sent_running"], c["sent_terminal"]) == (2, 1)
+    # a short answer: the update it did not cover is logged without a state
+    assert [state for _rid, _eta, state in eta.sent_log] == ["running", "terminal", "running", None]
