@@ -32,3 +32,18 @@ def copy_bytes(uintptr_t dst, uintptr_t src, Py_ssize_t nbytes):
     """One plain ``memcpy`` with the GIL released (the benchmark baseline)."""
     with nogil:
         memcpy(<char*>dst, <const char*>src, nbytes)
+
+
+def touch_pages(uintptr_t addr, Py_ssize_t nbytes, Py_ssize_t stride=4096):
+    """Read one byte every ``stride`` bytes of ``[addr, addr + nbytes)`` with the GIL released;
+    returns their XOR (so the reads cannot be optimised away).  The range must be mapped."""
+    if nbytes < 0 or stride <= 0:
+        raise ValueError("negative size or non-positive stride")
+    cdef const unsigned char *p = <const unsigned char*>addr
+    cdef Py_ssize_t off = 0
+    cdef unsigned char acc = 0
+    with nogil:
+        while off < nbytes:
+            acc ^= p[off]
+            off += stride
+    return acc

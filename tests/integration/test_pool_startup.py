@@ -70,6 +70,28 @@ def test_pool_allocation_modes(instance, mode, allocated, mapped, caplog):
         seg.close()
 
 
+def test_a_read_populate_ends_every_chunk_by_marking_its_pages_accessed(instance, monkeypatch):
+    """A READ populate reads one byte of every page it mapped (``mark_accessed``: the first real
+    pass then runs at the speed of the second, ``bench startup``); a WRITE populate does not."""
+    size = 5 * MiB + 4096
+    seg = Segment.create(f"/{instance}.acc", size, init=lambda fd, n: P.fallocate(fd, n))
+    try:
+        for write in (False, True):
+            seen = []
+            real = P.mark_accessed
+            monkeypatch.setattr(P, "mark_accessed", lambda a, n: (seen.append((a - seg.address, n)), real(a, n)))
+            P.populate(seg.address, size, write=write, threads=2, chunk=MiB)
+            covered = sorted(seen)
+            if write:
+                assert covered == []
+            else:
+                assert covered == [(o, min(MiB, size - o)) for o in range(0, size, MiB)]
+            assert P.resident_bytes(seg.address) == size
+    finally:
+        seg.unlink()
+        seg.close()
+
+
 def test_segment_populate_maps_every_page_for_an_attacher(instance):
     size = 6 * MiB + 4096  # not a multiple of the chunk
     owner = Segment.create(f"/{instance}.pop", size, init=lambda fd, n: P.fill_zeros(fd, n, chunk=MiB))

@@ -133,3 +133,19 @@ def test_copy_regions(seg):
     assert dst[256:384] == src[256:384]
     with pytest.raises(ValueError):
         ncopy.copy_regions(da, array.array("q", [0]), sa, so, 1)
+
+
+def test_touch_pages_reads_one_byte_per_stride():
+    import ctypes
+
+    buf = bytearray(3 * 4096 + 10)
+    buf[0], buf[4096], buf[8192], buf[12288] = 0x01, 0x02, 0x04, 0x08
+    buf[1] = buf[4097] = 0xFF  # not on a stride: never read
+    addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    assert ncopy.touch_pages(addr, len(buf), 4096) == 0x0F
+    assert ncopy.touch_pages(addr, 4096, 4096) == 0x01
+    assert ncopy.touch_pages(addr, 0, 4096) == 0
+    assert ncopy.touch_pages(addr + 1, 4097, 4096) == 0xFF ^ 0xFF
+    for bad in ((-1, 4096), (4096, 0)):
+        with pytest.raises(ValueError):
+            ncopy.touch_pages(addr, *bad)
