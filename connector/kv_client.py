@@ -269,8 +269,8 @@ class KVConnector:
 
     def poll_scan(self, polls: list, step: int | None = None, until_ready: bool = True) -> list[dict]:
         """A scheduler's scan of its queue in one round trip: ``polls`` are ``(req, eta_s, demand)``
-        (or ``(req, eta_s, demand, attempt)``)
-        in queue order, each answered exactly as :meth:`poll` would (same step, same group
+        or ``(req, eta_s, demand, attempt)`` in queue order, each answered exactly as
+        :meth:`poll` would (same step, same group
         decision).  With ``until_ready`` the sidecar stops after the first request ready to admit
         (its session terminal or unknown), so nothing behind it is demanded.  Returns the views of
         the entries taken, in order (a refused entry: ``{"state": "error", ...}``)."""
