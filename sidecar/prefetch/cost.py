@@ -147,17 +147,19 @@ def keep_admitted(o: Outlook, current_end: float) -> bool:
     return o.restore_pays_per_block or current_end <= o.eta
 
 
-def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int) -> bool:
+def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked_at: float | None = None) -> bool:
     """While the L3 query is out: could restoring some of the ``remaining`` blocks (all of them
-    in L3, at best) still lower TTFT, once the query answered (``query_s`` from now, at least
-    one L3 round trip)?  False: stop now, the prefill starts at ``max(eta, now)``."""
+    in L3, at best) still lower TTFT, once the query answered?  It answers ``query_s`` (at
+    least one L3 round trip) after it was sent (``asked_at``; None: now) — a query already out
+    for a while answers sooner, and one overdue, about now.  False: stop now, the prefill starts
+    at ``max(eta, now)``."""
     if remaining <= 0:
         return False
     if o.probe_blocks:
         return True  # no evidence yet: the answer (and a probe) is how the estimate is learnt
     if o.unmeasured:
         return False  # another session's probe is out: nothing is planned until it lands
-    answered = now + max(o.query_s, o.l3_latency_s)
+    answered = max(now, (now if asked_at is None else asked_at) + max(o.query_s, o.l3_latency_s))
     cap = max(1, chunk_size(o, chunk_max))
     plans = {remaining}
     if o.l3_s_per_block > 0:

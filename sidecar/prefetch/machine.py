@@ -240,6 +240,7 @@ class Session:
         # cost_aware bookkeeping
         self.outlook = p.outlook
         self.now = 0.0  # the clock of the event being handled
+        self.query_asked_at: float | None = None  # when the L3 existence query was sent
         self.expected_end = 0.0  # when what is claimed is expected to land
         self.queued_s = 0.0  # read time claimed since the outlook was taken (not in its backlog)
         self.claimed_any = False
@@ -420,6 +421,7 @@ class Session:
             self.state = State.RUNNING
             return self._maybe_finish()
         self.state = State.QUERYING
+        self.query_asked_at = e.now
         return [Query(self.p.resident)]
 
     def _on_query_done(self, e: QueryDone) -> list:
@@ -482,7 +484,7 @@ class Session:
             return []
         self._new_outlook(e.outlook)
         if self.state == State.QUERYING and not self.sealed and not cost.worth_querying(
-                self.outlook, e.now, self.p.total - self.p.resident, self.p.chunk_max_blocks):
+                self.outlook, e.now, self.p.total - self.p.resident, self.p.chunk_max_blocks, self.query_asked_at):
             self._seal(Status.COST, "cost")  # nothing the answer could bring would pay: end now
             return self._maybe_finish()
         if self.state != State.RUNNING or self.sealed:

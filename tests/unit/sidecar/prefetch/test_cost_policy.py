@@ -574,3 +574,28 @@ def test_a_dear_l3_plans_a_queued_request_behind_every_queued_read():
     assert outlook(rec, 0.0, FakeTier(0.004), cfg).backlog_s == 0.05  # cheap: what runs before it
     rec.demanded = True  # a candidate's reads go first: only what is ahead of it counts
     assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.05
+
+
+def test_a_query_out_for_a_while_answers_sooner():
+    """The query answers ``query_s`` after it was sent, not after the demand: a tail that does not
+    pay for a whole query from now pays for the rest of one already out."""
+    o = ol(query_s=0.012)  # 2 blocks save 20 ms; their read takes 2 + 2 x 4 ms once the query answered
+    assert not cost.worth_querying(o, 0.004, remaining=2, chunk_max=8)  # answered at 16 ms: 22 ms later
+    assert cost.worth_querying(o, 0.004, remaining=2, chunk_max=8, asked_at=0.0)  # at 12 ms: 18 ms later
+    assert cost.worth_querying(o, 0.020, remaining=2, chunk_max=8, asked_at=0.0)  # overdue: about now
+    assert not cost.worth_querying(o, 0.004, remaining=2, chunk_max=8, asked_at=0.004)  # just sent: as before
+
+
+def test_a_candidate_counts_only_what_is_left_of_the_query_already_out():
+    """The machine measures the query from when it was sent (Start): a short tail that the rest of
+    the query pays for keeps waiting for the answer; demanded as early as the query, it ends."""
+    def demanded_at(now):
+        s = Session(Params(Policy.COST_AWARE, 32, 30, 8, 2, None, outlook=ol(eta=1.0, query_s=0.012)))
+        s.handle(Start(0.0))
+        s.handle(Demand(now, ol(eta=now, query_s=0.012)))
+        return s
+
+    # 2 blocks save 20 ms; the query answers at 12 ms, their read lands 10 ms later
+    assert demanded_at(0.004).state == State.QUERYING  # 18 ms from now: still pays (from now: 22)
+    early = demanded_at(0.0)
+    assert early.state == State.TERMINAL and early.status == Status.COST  # 22 ms from now: it does not
