@@ -225,6 +225,19 @@ class EngineAdapter:
                 return pos, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
         return (len(asked), 0) if len(asked) < len(scan) else (None, 0)
 
+    def wait_for_queue(self, reqs, timeout_s: float) -> bool:
+        """An engine loop with nothing ready to admit: block until the first of ``reqs`` (queue
+        order) whose prefetch is still running has ended, at most ``timeout_s`` (the sidecar
+        answers when it ends: a wake-up, not a poll).  False, at once, when none is prefetching.
+        The next :meth:`check_queue` says what is ready (identical on every rank), so one rank
+        may wait for the group."""
+        for req in reqs:
+            if req in self.prefetching:
+                self._call(lambda: self.conn.wait(req, terminal=True, timeout_s=max(0.0, timeout_s)), None)
+                self._settle(req)
+                return True
+        return False
+
     def admit(self, req: str, token_ids, step: int, alloc_pages) -> RestoreSlot:
         """Lookup + held GET + load into freshly allocated engine pages.
 

@@ -221,6 +221,11 @@ class _Rank:
             out["end"] = self.running["end"]
         return out
 
+    def wait_ready(self, budget_s: float) -> bool:
+        """The leader's wake-up while nothing queued is ready and the device is free: until the
+        first queued request still prefetching ends, at most ``budget_s`` (False: none is)."""
+        return self.ad.wait_for_queue(self.queue, budget_s)
+
     def busy_s(self) -> float:
         return max(0.0, self.running["end"] - time.monotonic()) if self.running else 0.0
 
@@ -313,6 +318,9 @@ def rank_main(rank: int, conn) -> None:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
+            if msg[0] == "wait":
+                conn.send(r.wait_ready(msg[1]))
+                continue
             _, step, arrivals, t0, busy_until = msg
             conn.send(r.step(step, arrivals, t0, busy_until))
         if r.running is not None:

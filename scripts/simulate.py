@@ -16,7 +16,9 @@ previous could have finished).  The scheduler is SPMD like a real engine: the le
 process) runs one loop iteration at a time and every rank executes the same step (same
 ``step``, same arrivals), replying before the next.  Requests enter the queue (and prefetch) at
 the first iteration after they arrive; a scan skips a request whose prefetch is still running
-and admits the first ready one; a scanned request is a scheduling candidate (``demand``).
+and admits the first ready one; a scanned request is a scheduling candidate (``demand``).  With
+nothing ready and the device free, the loop sleeps until the first queued request still
+prefetching has ended (rank 0's ``wait``: the sidecar's answer wakes it), at most one 2 ms step.
 
 What is measured is the product's path: TTFT = end of the modelled prefill - arrival, i.e.
 queueing + prefetch wait + the GET (lease) + the copy into the engine's pages + the prefill of
@@ -99,8 +101,17 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
                 nxt = min(nxt, busy_until - time.monotonic())
             queued = waiting - (busy_until is not None)
             # nothing queued: the loop blocks until the next arrival or the prefill's end (as an
-            # engine's blocking receive would); else its next iteration polls the queue again
-            time.sleep(max(0.0, nxt if queued <= 0 else min(STEP_S, nxt)))
+            # engine's blocking receive would).  Requests queued, none ready, the device free:
+            # rank 0 waits for the first one still prefetching to end (the sidecar's answer wakes
+            # it), at most one loop step; else the next iteration looks at the queue again.
+            budget = max(0.0, nxt if queued <= 0 else min(STEP_S, nxt))
+            if queued > 0 and busy_until is None and budget > 0:
+                pipes[0].send(("wait", budget))
+                if not pipes[0].poll(budget + 30):
+                    raise RuntimeError("a simulator rank stopped answering")
+                if pipes[0].recv():
+                    continue
+            time.sleep(budget)
     for a in pipes:
         a.send(("stop",))
     outs = [a.recv() if a.poll(60) else None for a in pipes]

@@ -142,6 +142,37 @@ def test_check_queue_is_the_scan_stopping_at_the_first_ready_request(sidecar_fac
     ad.close()
 
 
+def test_wait_for_queue_is_woken_when_the_first_prefetching_request_ends(sidecar_factory, instance, tmp_path,
+                                                                           read_gate):
+    """An engine with nothing ready sleeps in ``wait_for_queue``: bounded while the first
+    prefetching request's read is held, answered as soon as its session ends (not at the
+    deadline), and at once (False) when nothing queued is prefetching."""
+    from ..waiting import wait_read_held
+
+    sidecar_factory(**overrides(tmp_path, **read_gate.overrides()))
+    ad = make_adapter(instance, policy="best_effort")
+    assert ad.start()
+    assert serve(ad, "warm", TOKS, 1) == 0
+    wait_l3_idle(ad.conn)
+    ad.conn.flush()
+    t = time.monotonic()
+    assert ad.wait_for_queue(["absent"], 30.0) is False and time.monotonic() - t < 5.0
+    ad.on_queue_entry("q0", TOKS)
+    wait_read_held(ad.conn)
+    assert ad.wait_for_queue(["absent", "q0"], 0.05) is True  # the deadline: still reading
+    assert ad.conn.poll("q0")["state"] == "running" and not ad._sent
+    read_gate.open()
+    t = time.monotonic()
+    assert ad.wait_for_queue(["absent", "q0"], 30.0) is True
+    assert time.monotonic() - t < 10.0  # woken by the session's end, not by the 30 s deadline
+    assert ad.check_queue([("q0", None, False)], 5) == (0, len(TOKS))
+    ad.admit("q0", TOKS, 6, alloc_from(list(range(40))))
+    ad.commit_restore("q0")
+    s = books(ad)
+    assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0 and s["pool"]["staging"] == 0
+    ad.close()
+
+
 def test_a_refused_prefetch_is_a_miss_not_a_wait(sidecar_factory, instance, tmp_path, caplog):
     """A prefetch the sidecar refuses (the same request id over another chain: a reused id) is
     answered after the engine moved on; the next check takes that answer and admits the request
