@@ -16,20 +16,28 @@ CPU tensors: ``kvsidecar._native.copy.copy_regions`` copies all regions of one (
 single C loop with the GIL released, straight out of the shared mapping.
 CUDA tensors: the pool mapping is ``cudaHostRegister``-ed once — at attach, in the
 connector's background thread (``kvsidecar.connector.pool_populate``), or else here before the
-first copy — and each region is an async host↔device copy on the copier's stream (the
-caller synchronises per layer or at the end).  The CUDA path is exercised only where a
-GPU exists.
+first copy.  By default (``cuda_copy="gather"``) the registered mapping is itself a CUDA tensor
+(UVA: the device reads host memory over the bus) and each (layer, K/V) is one gather kernel
+and one scatter kernel on the copier's stream; ``"regions"`` issues one async copy per region
+(fallback where the mapping is not addressable).  Measured on an H200 (``scripts.gpu_copy_check``,
+32 layers, 512 MiB to 1 GiB per load): gather 42-43 GB/s against 3.7 (16-token blocks) and 8.8
+GB/s (64-token blocks) region by region, the bus 55 GB/s.  The CUDA path runs only where a GPU
+exists.
 """
 
 from __future__ import annotations
 
 import array
+import logging
 
 from kvsidecar._native.copy import copy_regions
 from kvsidecar.shm.layout import KVLayout
 
 
+CUDA_COPY_MODES = ("regions", "gather")
 REGISTRATION_WAIT_S = 600.0  # bound on waiting for the attach-time cudaHostRegister
+
+log = logging.getLogger(__name__)
 
 
 class KVShapeError(ValueError):
@@ -37,8 +45,13 @@ class KVShapeError(ValueError):
 
 
 class KVCopier:
-    def __init__(self, layout: KVLayout, rank: int, pool_address: int, pool_bytes: int, registration=None):
-        """``registration``: a ``PoolPopulator`` that may register the mapping with CUDA at attach."""
+    def __init__(self, layout: KVLayout, rank: int, pool_address: int, pool_bytes: int, registration=None,
+                 cuda_copy: str = "gather"):
+        """``registration``: a ``PoolPopulator`` that may register the mapping with CUDA at attach.
+        ``cuda_copy`` (CUDA tensors): "regions", one async copy per region, or "gather", one
+        gather/scatter kernel pair per (layer, K/V) reading the registered mapping directly."""
+        if cuda_copy not in CUDA_COPY_MODES:
+            raise ValueError(f"cuda_copy must be one of {CUDA_COPY_MODES}")
         self.layout = layout
         self._registration = registration
         self.rank = rank
@@ -49,6 +62,8 @@ class KVCopier:
         self._cuda_registered = False
         self._stream = None
         self._view: memoryview | None = None  # the pool as bytes (whole-shard reads and writes)
+        self.cuda_copy = cuda_copy
+        self._device_shard = None  # CUDA: this rank's shard of the registered mapping, as a tensor
 
     # -- validation -----------------------------------------------------------------------------
     def check_kv(self, kv_caches) -> None:
@@ -201,6 +216,10 @@ class KVCopier:
                 raise RuntimeError(f"cudaHostRegister failed ({rc})")
             self._cuda_registered = True
             self._stream = torch.cuda.Stream()
+        if self.cuda_copy == "gather":
+            shard = self._pool_shard_on_device(kv_caches[0][0].device)
+            if shard is not None:
+                return self._gather_cuda(shard, blocks, kv_caches, pages, layers, to_engine)
         pool = torch.frombuffer((_ctypes_buffer(self.pool_address, self.pool_bytes)), dtype=torch.uint8)
         total = 0
         with torch.cuda.stream(self._stream):
@@ -218,11 +237,56 @@ class KVCopier:
         self._stream.synchronize()
         return total
 
+    def _pool_shard_on_device(self, device):  # pragma: no cover
+        """This rank's shard of every pool block as a CUDA tensor ``[blocks, layers x kv, region]``
+        over the registered mapping itself (UVA: a kernel reads and writes host memory over the
+        bus, no staging copy), or None (logged once) where CUDA cannot address it."""
+        if self._device_shard is None:
+            import torch
+
+            L = self.layout
+            try:
+                whole = torch.as_tensor(_DeviceView(self.pool_address, self.num_pool_blocks * L.block_bytes),
+                                        device=device).view(self.num_pool_blocks, L.block_bytes)
+            except Exception as exc:  # noqa: BLE001 - any failure: the per-region copies instead
+                log.warning("the pool mapping is not addressable from %s (%s): copying region by region",
+                            device, exc)
+                self.cuda_copy = "regions"
+                return None
+            lo = self.shard * L.shard_bytes
+            self._device_shard = whole[:, lo:lo + L.shard_bytes].view(
+                self.num_pool_blocks, L.num_layers * L.kv_factor, L.region_bytes)
+        return self._device_shard
+
+    def _gather_cuda(self, shard, blocks, kv_caches, pages, layers, to_engine: bool) -> int:  # pragma: no cover
+        """Per (layer, K/V): one gather kernel and one scatter kernel on the copier's stream,
+        reading (or writing) the pool's regions straight over the bus."""
+        import torch
+
+        L = self.layout
+        dev = kv_caches[0][0].device
+        with torch.cuda.stream(self._stream):
+            b = torch.tensor(list(blocks), dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+            p = torch.tensor(list(pages), dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+            for layer in (range(L.num_layers) if layers is None else layers):
+                for kv in range(L.kv_factor):
+                    t = kv_caches[layer][kv]
+                    t = t.view(torch.uint8).view(t.shape[0], L.region_bytes)
+                    regions = shard[:, layer * L.kv_factor + kv]
+                    if to_engine:
+                        t.index_copy_(0, p, regions.index_select(0, b))
+                    else:
+                        regions.index_copy_(0, b, t.index_select(0, p))
+        self._stream.synchronize()
+        n_pairs = (L.num_layers if layers is None else len(layers)) * L.kv_factor
+        return n_pairs * L.region_bytes * len(blocks)
+
     def close(self) -> None:
         """Unregister the mapping from CUDA if it was registered (here or at attach)."""
         if self._view is not None:
             self._view.release()
             self._view = None
+        self._device_shard = None
         reg = self._registration
         if self._cuda_registered or (reg is not None and reg.cuda_registered):  # pragma: no cover
             import torch
@@ -231,6 +295,15 @@ class KVCopier:
             self._cuda_registered = False
             if reg is not None:
                 reg.cuda_registered = False
+
+
+class _DeviceView:
+    """``size`` bytes at ``address`` as a CUDA array (the ``__cuda_array_interface__``): valid
+    where the mapping is registered with CUDA and the device may use the host pointer (UVA)."""
+
+    def __init__(self, address: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
 
 
 def _ctypes_buffer(address: int, size: int):

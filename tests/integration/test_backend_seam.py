@@ -84,6 +84,17 @@ def backend(instance, pool, **cfg):
 
 
 # -- KVCopier: the host-piece copies and their bounds ---------------------------------------------------
+def test_copier_cuda_copy_mode_is_checked_and_defaults_to_gather():
+    """The CUDA copy mechanism is chosen at construction (gather: measured 4.9-11.5x faster than
+    region by region on an H200, scripts.gpu_copy_check); an unknown one is refused there."""
+    lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, tokens_per_block=4, tp_size=2)
+    pool = (ctypes.c_uint8 * (lay.block_bytes * 2))()
+    assert KVCopier(lay, 0, ctypes.addressof(pool), len(pool)).cuda_copy == "gather"
+    assert KVCopier(lay, 0, ctypes.addressof(pool), len(pool), cuda_copy="regions").cuda_copy == "regions"
+    with pytest.raises(ValueError, match="cuda_copy"):
+        KVCopier(lay, 0, ctypes.addressof(pool), len(pool), cuda_copy="dma")
+
+
 def test_copier_pieces_round_trip_and_refuse_out_of_bounds():
     lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, tokens_per_block=4, tp_size=2)
     pool = (ctypes.c_uint8 * (lay.block_bytes * 8))()
