@@ -173,6 +173,7 @@ class VirtualL3(FakeTier):
         return s * self.p.bandwidth_drop if self.drop_at_s is not None and t >= self.drop_at_s else s
 
     def lookup(self, ns, chain, done):
+        self.query_s = self.p.meta_latency_s  # (the real tier's running mean of what a session waits)
         self.loop.call_at(self.loop.t + self.p.meta_latency_s, done, self.hits(chain))
 
     def _submitted(self, r: FakeRead) -> None:

@@ -15,9 +15,12 @@ The scheduler is SPMD like a real engine: one decision per step, replayed to eve
 decisions must give identical answers — ``ranks_agree``).  Requests enter the queue (and
 prefetch) the moment they arrive; when the engine is free it scans the queue in order,
 *skipping* a request whose prefetch is still running (SGLang continues to the next request),
-and admits the first ready one.  The scan is one loop iteration; the engine notices a session
-that ended at the next iteration (``step_s`` grid).  A scanned request is a scheduling
-candidate (``demand``, once).
+and admits the first ready one.  A request enters the queue ``enter_s`` after it arrives and
+is scanned in that iteration; a prefill's end is followed by a scan at once; with nothing ready
+the engine waits for a queued session to end and scans ``wake_s`` after it.  An admission's
+prefill starts after the scan's round trip (``scan_s``) and the GET's (``admit_s``).  These
+fixed costs are what the real-process run measured (``scripts.ttft_calibrate``).  A scanned
+request is a scheduling candidate (``demand``, once).
 
 Deterministic: the same arguments give the same result, on any machine, at any load.
 The real-process simulator (``scripts.simulate``) runs the same engine loop against a real
@@ -73,10 +76,13 @@ class SimParams:
     bandwidth_drop_at: float | None = None  # fraction of the stream after which L3 slows down
     bandwidth_drop: float = 4.0
     budget_s: float = 0.6  # timeout arms (cost_aware: no cap)
-    step_s: float = 0.002  # one scheduler loop iteration while nothing runs
+    step_s: float = 0.002  # (kept for callers; the engine now wakes on events, see Engine)
     pool_blocks: int = 0  # 0: six times the longest request
     follow_up: float = 0.25  # share of requests that continue an earlier conversation
-    admit_s: float = 0.0  # fixed engine-side cost per admission (GET round trip, scheduling; calibration)
+    admit_s: float = 0.0  # fixed engine-side cost per admission: the GET's round trip (calibration)
+    enter_s: float = 0.0  # arrival -> in the waiting queue, its prefetch sent (calibration)
+    scan_s: float = 0.0  # a scan's round trip before the admission it decides (calibration)
+    wake_s: float = 0.0  # a queued request's session ended, the engine idle -> its next scan (calibration)
 
     @property
     def l3_s_per_block(self) -> float:
@@ -175,9 +181,10 @@ class _Req:
 
 
 class Engine:
-    def __init__(self, p: SimParams, arm: str, stream: list):
+    def __init__(self, p: SimParams, arm: str, stream: list, arm_kw: dict | None | str = "table"):
+        """``arm_kw``: the arm's prefetch settings (None: no prefetch); by default ``ARMS[arm]``."""
         self.p, self.arm = p, arm
-        self.kw = ARMS[arm]
+        self.kw = ARMS[arm] if arm_kw == "table" else arm_kw
         self.loop = VirtualLoop()
         lay = KVLayout(model="vsim", num_layers=1, num_kv_heads=p.tp, head_dim=8,
                        tokens_per_block=p.tokens_per_block, tp_size=p.tp)
@@ -242,15 +249,15 @@ class Engine:
             for c in self.ranks:  # every rank's scheduler sees the request enter its queue
                 self.sm.op_prefetch(c, dict(msg))
             r.prefetching, r.session_t0 = True, self.loop.t
-        self._arm_step()
+        self._arm_step()  # the iteration that took the arrival scans the queue
 
-    def _arm_step(self) -> None:
+    def _arm_step(self, delay: float = 0.0) -> None:
+        """The engine's next scan, ``delay`` from now: at once after an arrival or a prefill's
+        end (the loop iteration that saw it), ``wake_s`` after a queued session ended."""
         if self.step_armed or self.loop.t < self.busy_until or not self.queue:
             return
         self.step_armed = True
-        grid = self.p.step_s
-        due = (int(self.loop.t / grid) + 1) * grid  # the next loop iteration
-        self.loop.call_at(due, self._step)
+        self.loop.call_at(self.loop.t + delay, self._step)
 
     def _step(self) -> None:
         self.step_armed = False
@@ -291,7 +298,8 @@ class Engine:
         # restored from L3 by this request's own session; the rest of the GET was in the pool
         # (resident at queue entry, stored by an earlier prefill, or read by another session)
         restored_l3 = min(n, rec.restored) if rec is not None else 0
-        prefill = self.p.admit_s + n * self.p.copy_s_per_block + (r.blocks - n) * self.p.compute_s_per_block
+        prefill = (self.p.scan_s + self.p.admit_s + n * self.p.copy_s_per_block
+                   + (r.blocks - n) * self.p.compute_s_per_block)
         self.busy_until = now + prefill
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
                 "hit_l3": restored_l3, "recomputed": r.blocks - n, "queue_s": now - r.arrival,
@@ -321,12 +329,12 @@ class Engine:
     # -- the run -----------------------------------------------------------------------------------------
     def run(self) -> dict:
         for r in self.stream:
-            self.loop.call_at(r.arrival, self.arrive, r)
+            self.loop.call_at(r.arrival + self.p.enter_s, self.arrive, r)
         while self.loop.next_timer():
             # idle with work queued: the next iteration runs once a queued session has ended
-            # (iterations in between would poll and skip the same way: only time passes)
+            # (the engine waits for it: iterations in between would skip the same way)
             if not self.step_armed and self.loop.t >= self.busy_until and any(map(self._ready, self.queue)):
-                self._arm_step()
+                self._arm_step(self.p.wake_s)
         books = self.core.check() or self.sm.check()
         return {"results": self.results, "corrupt": self.corrupt, "ranks_agree": self.disagreements == 0,
                 "books": books or "ok", "leases_left": len(self.core.leases.leases),

@@ -24,8 +24,11 @@ What is measured is the product's path: TTFT = end of the modelled prefill - arr
 queueing + prefetch wait + the GET (lease) + the copy into the engine's pages + the prefill of
 everything not restored (``compute_ms_per_ktok``, a sleep).  The simulator's own checking
 (every loaded page against the KV the model would have produced, ``corrupt``; filling the
-recomputed pages) runs inside the modelled prefill's sleep, so it is not charged to TTFT
-(``sim_overhead_ms`` reports any overrun).  Every rank must admit the same request with the same
+recomputed pages) runs on a helper thread of each rank once every rank has admitted (started
+earlier, it took the CPU from a rank still admitting), so it is not charged to TTFT: the fill
+ends before the request's store (``sim_overhead_ms`` reports any wait for it past the prefill),
+and a request's pages return to the free list once their check has read them.  The group's
+prefill ends with its slowest rank's (``rank_skew_ms``: how much after rank 0's).  Every rank must admit the same request with the same
 restored length at every step (``ranks_agree``).  Rank 0 stamps a per-request timeline
 (``--timeline``) joined with the session's own events from the sidecar (``poll`` with
 ``events``); bounds are computed from the rates this run achieved (``scripts.ttft_bounds``).
@@ -68,6 +71,7 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
     stream = stream_of(args)
     t0 = time.monotonic()
     i, step, waiting, results, disagreements = 0, 0, 0, [], 0
+    skews: dict = {}  # admitted request -> the slowest rank's prefill end after rank 0's (ms)
     busy_until = None  # when the running prefill ends on every rank
     deadline = t0 + 900
     while (i < len(stream) or waiting) and time.monotonic() < deadline:
@@ -91,10 +95,16 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
             disagreements += 1
         if first["done"] is not None:
             waiting -= 1
+            first["done"]["rank_skew_ms"] = skews.pop(first["done"]["req"], 0.0)
             results.append(first["done"])
             busy_until = None
         if first["admitted"] is not None:
-            busy_until = max(r["end"] for r in replies if r["end"] is not None)
+            for a in pipes:  # every rank admitted: now each checks what it loaded (not charged)
+                a.send(("check",))
+            ends = [r["end"] for r in replies if r["end"] is not None]
+            busy_until = max(ends)
+            # the group's prefill ends with its slowest rank's: how much later than rank 0's
+            skews[first["admitted"][0]] = (busy_until - first["end"]) * 1e3
         if first["admitted"] is None and first["done"] is None and not arrivals:
             nxt = stream[i][0] - (time.monotonic() - t0) if i < len(stream) else STEP_S
             if busy_until is not None:

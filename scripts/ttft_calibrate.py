@@ -26,21 +26,44 @@ from scripts.common import write_json
 TOLERANCE = 0.10
 
 
-def fixed_costs(run: dict) -> dict:
-    """The per-request fixed costs the real run showed (medians over every arm's requests): the
-    L3 existence query (session created -> answered) and the admission (queue entry and the
-    GET's round trip, which the virtual engine does not model otherwise)."""
-    query, admit = [], []
-    for a in run["arms"].values():
+def _median(xs: list, default: float) -> float:
+    return statistics.median(xs) if xs else default
+
+
+def fixed_costs(run: dict, arm: str | None = None) -> dict:
+    """The per-request fixed costs the real run showed (medians, seconds), from its timelines:
+
+    * ``query_s``: the L3 existence query (session created -> answered; every arm);
+    * ``enter_s``: arrival -> in the queue with its prefetch sent;
+    * ``scan_s``: a scan's round trip, from requests admitted by the scan that first saw them
+      at an idle engine (entered -> admitted within 5 ms, demanded and admitted together);
+    * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms);
+    * ``admit_s``: the GET's round trip.
+
+    ``arm``: that arm's own requests (a cost it has no sample of: every arm's); None: all arms."""
+    samples = {k: ([], []) for k in ("query_s", "enter_s", "scan_s", "wake_s", "admit_s")}
+    for name, a in run["arms"].items():
+        mine = arm is None or name == arm
         for r in a.get("results", ()):
             ev = {e[0]: e[1] for e in r.get("events") or ()}
-            if "query" in ev and "created" in ev:
-                query.append((ev["query"] - ev["created"]) / 1e3)
             t = r.get("timeline") or {}
+            got = {}
+            if "query" in ev and "created" in ev:
+                got["query_s"] = ev["query"] - ev["created"]
+            if "entered" in t:
+                got["enter_s"] = t["entered"]
             if "got" in t:
-                admit.append((t["entered"] + t["got"] - t["admit"]) / 1e3)
-    med = statistics.median
-    return {"query_s": med(query) if query else 0.001, "admit_s": med(admit) if admit else 0.0}
+                got["admit_s"] = t["got"] - t["admit"]
+            if {"candidate", "admit", "entered"} <= t.keys():
+                first_scan = t["admit"] - t["candidate"] < 0.1
+                if first_scan and t["admit"] - t["entered"] < 5.0:
+                    got["scan_s"] = t["candidate"] - t["entered"]
+                if not first_scan and "terminal" in ev and 0 <= t["admit"] - ev["terminal"] < 2.5:
+                    got["wake_s"] = t["admit"] - ev["terminal"]
+            for k, v in got.items():
+                samples[k][0 if mine else 1].append(v / 1e3)
+    defaults = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0}
+    return {k: _median(own or own + other if own else other, defaults[k]) for k, (own, other) in samples.items()}
 
 
 def virtual_row(row: dict, requests: int) -> dict:
@@ -51,16 +74,16 @@ def virtual_row(row: dict, requests: int) -> dict:
                 load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
     stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)
     c = rates["compute_s_per_block"]
-    fixed = fixed_costs(row["timeline_trial"])
     p = sv.SimParams(tp=row["tp"], tokens_per_block=64, requests=requests, compute_s_per_block=c,
                      copy_s_per_block=rates["copy_s_per_block"], l3_ratio=rates["l3_s_per_block"] / c,
-                     l3_latency_s=rates["l3_latency_s"], pool_blocks=POOL_BLOCKS,
-                     meta_latency_s=fixed["query_s"], admit_s=fixed["admit_s"])
+                     l3_latency_s=rates["l3_latency_s"], pool_blocks=POOL_BLOCKS)
     out = {}
     for arm, kw in TABLE_ARMS.items():
-        sv.ARMS.setdefault(arm, {k: v for k, v in (kw or {}).items() if k != "budget_s"} if kw else None)
-        pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s))
-        res = sv.Engine(pa, arm, stream).run()
+        arm_kw = {k: v for k, v in kw.items() if k != "budget_s"} if kw else None  # (the row's chunk size)
+        fixed = fixed_costs(row["timeline_trial"], arm)
+        pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s), meta_latency_s=fixed["query_s"],
+                                 **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s")})
+        res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
         ttft = [r["ttft_s"] * 1e3 for r in res["results"]]
         real = trials_mod.median(agg["arms"][arm]["ttft_p50_ms"])
         virt = ttft_bounds._pct(ttft, 0.5)

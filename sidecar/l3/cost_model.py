@@ -7,6 +7,9 @@ the ``cost_aware`` policy restores only what it can hide behind the queue.  Read
 size cannot separate latency from bandwidth; the prior then keeps the latency and the data
 sets the per-block cost, which is exact for that size.
 
+Two reads in a row more than ``CHANGE`` off their prediction the same way mark a change of
+regime: the long memory restarts from those two reads (otherwise, with reads of mixed sizes, it
+fits one line through both regimes and a bandwidth change shows up as latency).
 Also tracks how good it is: the weighted mean of ``|predicted - measured| / measured``
 over the reads it predicted once it had evidence (``error``; the prior's guess is not counted).  One instance per tier (per backend); control thread only.
 """
@@ -14,6 +17,8 @@ over the reads it predicted once it had evidence (``error``; the prior's guess i
 from __future__ import annotations
 
 import dataclasses
+
+CHANGE = 0.5  # a read off its prediction by more than this share, twice in a row the same way: a new regime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,7 @@ class ReadCostModel:
         self.samples = 0
         self._latency, self._per_block = prior_latency_s, prior_s_per_block
         self._err_num = self._err_den = 0.0
+        self._surprise: tuple | None = None  # (blocks, seconds, signed error) of a read far off its prediction
 
     @property
     def error(self) -> float:
@@ -54,10 +60,40 @@ class ReadCostModel:
         """One read of ``blocks`` blocks that took ``seconds`` (all blocks landed)."""
         if blocks <= 0 or not seconds >= 0 or seconds == float("inf"):
             return
+        changed = False
         if seconds > 0 and self.samples:  # predictions made with evidence (the prior's is not one)
-            rel = abs(self._latency + blocks * self._per_block - seconds) / seconds
+            predicted = self._latency + blocks * self._per_block
+            rel = abs(predicted - seconds) / seconds
             self._err_num = self.forget * self._err_num + rel
             self._err_den = self.forget * self._err_den + 1.0
+            surprise = (seconds - predicted) / predicted if predicted > 0 else 0.0
+            if abs(surprise) <= CHANGE:
+                self._surprise = None
+            elif self._surprise is not None and (self._surprise[2] > 0) == (surprise > 0):
+                changed = True  # two reads in a row off the same way: the tier changed
+            else:
+                self._surprise = (blocks, seconds, surprise)  # one may be noise: wait for the next
+        if changed:
+            # the long memory would fit a line through both regimes (a bandwidth change then
+            # shows up as latency): start it again from the two reads of the new one
+            prev_blocks, prev_seconds, _ = self._surprise
+            self._surprise = None
+            self._w = self._k = self._kk = self._s = self._ks = 0.0
+            self._min_s = float("inf")
+            self._accumulate(prev_blocks, prev_seconds)
+            self._accumulate(blocks, seconds)
+            self.samples += 1
+            self._latency = self._fit_latency()
+            self._per_block = max(1e-9, max(0.0, seconds - self._latency) / blocks)
+            return
+        self._accumulate(blocks, seconds)
+        self.samples += 1
+        self._latency = self._fit_latency()
+        sample = max(0.0, seconds - self._latency) / blocks
+        a = self.forget
+        self._per_block = max(1e-9, sample if self.samples == 1 else a * self._per_block + (1 - a) * sample)
+
+    def _accumulate(self, blocks: int, seconds: float) -> None:
         f = self.latency_forget
         self._w = f * self._w + 1.0
         self._k = f * self._k + blocks
@@ -65,11 +101,6 @@ class ReadCostModel:
         self._s = f * self._s + seconds
         self._ks = f * self._ks + blocks * seconds
         self._min_s = min(self._min_s, seconds)
-        self.samples += 1
-        self._latency = self._fit_latency()
-        sample = max(0.0, seconds - self._latency) / blocks
-        a = self.forget
-        self._per_block = max(1e-9, sample if self.samples == 1 else a * self._per_block + (1 - a) * sample)
 
     def _fit_latency(self) -> float:
         """Least squares over the long memory, regularised towards the prior latency (which

@@ -20,7 +20,7 @@ Chunk size bounds the regret of a stop: a wrong decision costs at most one chunk
 
 While the L3 existence query is still out, a scheduling candidate is blocked on it:
 :func:`worth_querying` ends the session at once (``Status.COST``) when even the best case
-(L3 holds every remaining block, the query answers in ``query_s``) cannot lower TTFT — a pool
+(L3 holds every remaining block, the query answers ``query_s`` after it was sent) cannot lower TTFT — a pool
 hit with a short tail, or an L3 dearer than prefill with no queue to hide behind.  Without
 evidence about L3 (``probe_blocks``) it keeps waiting: the probe is how the estimator learns.
 """
@@ -149,17 +149,18 @@ def keep_admitted(o: Outlook, current_end: float) -> bool:
 
 def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked_at: float | None = None) -> bool:
     """While the L3 query is out: could restoring some of the ``remaining`` blocks (all of them
-    in L3, at best) still lower TTFT, once the query answered?  It answers ``query_s`` (at
-    least one L3 round trip) after it was sent (``asked_at``; None: now) — a query already out
-    for a while answers sooner, and one overdue, about now.  False: stop now, the prefill starts
-    at ``max(eta, now)``."""
+    in L3, at best) still lower TTFT, once the query answered?  It answers ``query_s`` (as
+    measured; one L3 read's latency while unmeasured) after it was sent (``asked_at``; None:
+    now) — a query already out for a while answers sooner, and one overdue, about now.  False:
+    stop now, the prefill starts at ``max(eta, now)``."""
     if remaining <= 0:
         return False
     if o.probe_blocks:
         return True  # no evidence yet: the answer (and a probe) is how the estimate is learnt
     if o.unmeasured:
         return False  # another session's probe is out: nothing is planned until it lands
-    answered = max(now, (now if asked_at is None else asked_at) + max(o.query_s, o.l3_latency_s))
+    took = o.query_s if o.query_s > 0 else o.l3_latency_s
+    answered = max(now, (now if asked_at is None else asked_at) + took)
     cap = max(1, chunk_size(o, chunk_max))
     plans = {remaining}
     if o.l3_s_per_block > 0:

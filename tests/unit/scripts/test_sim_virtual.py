@@ -63,7 +63,10 @@ def test_slow_l3_cost_aware_restores_far_less_than_whole_task():
 
 
 def test_bandwidth_drop_is_followed_within_three_reads():
-    p = sv.SimParams(tp=2, prefix_tokens=4096, requests=24, n_prefixes=6, load=0.8, l3_ratio=0.4, seed=2)
+    # the sweep's own drop row (16K prefixes, seed 1), fewer requests.  (With reads of one size
+    # only — some seeds read nothing but 2-block tails after the drop — latency and per-block
+    # cost cannot be told apart: the read's total is learnt, the per-block share is not.)
+    p = sv.SimParams(tp=2, prefix_tokens=16384, requests=24, n_prefixes=6, load=0.8, l3_ratio=0.4, seed=1)
     d = sim_sweep.bandwidth_drop_row(p, seeds=1)
     assert d["pass"], d
 

@@ -285,6 +285,40 @@ def test_estimator_follows_a_four_times_bandwidth_drop_within_three_reads():
     assert m.estimate().seconds(32) == pytest.approx(0.002 + 32 * 0.004, rel=0.15)
 
 
+def test_estimator_follows_a_bandwidth_drop_with_reads_of_mixed_sizes():
+    """Reads of mixed sizes across a 4x drop: two reads in a row far slower than predicted start
+    the fit again from them, so the drop is not taken for latency (without it the per-block cost
+    was still 25 % low after four reads and the latency 2x high)."""
+    m = ReadCostModel(0.005, 0.01)
+    for k in [2, 66, 2, 8, 2, 66, 2, 2]:
+        m.observe(k, 0.002 + k * 0.00128)
+    for k in [2, 14]:
+        m.observe(k, 0.002 + k * 0.00512)
+    e = m.estimate()
+    assert e.s_per_block == pytest.approx(0.00512, rel=0.2) and e.latency_s == pytest.approx(0.002, rel=0.5)
+
+
+def test_estimator_one_slow_read_is_noise_not_a_new_regime(monkeypatch):
+    """One read 3x slow between normal ones is not a change of regime: the estimate is exactly
+    what it is without change detection; the same read twice in a row is one."""
+    from kvsidecar.sidecar.l3 import cost_model
+
+    def run(reads):
+        m = ReadCostModel(0.005, 0.01)
+        for k in [4, 32, 4, 16, 32, 8, 32]:
+            m.observe(k, 0.002 + k * 0.001)
+        for k, slow in reads:
+            m.observe(k, slow * (0.002 + k * 0.001))
+        return m.estimate()
+
+    hiccup = [(32, 3), (8, 1), (32, 1)]
+    twice = [(32, 3), (8, 3)]
+    with_detection = run(hiccup), run(twice)
+    monkeypatch.setattr(cost_model, "CHANGE", float("inf"))
+    assert with_detection[0] == run(hiccup)
+    assert with_detection[1] != run(twice)
+
+
 def test_estimator_ignores_empty_and_negative_reads():
     m = ReadCostModel(0.005, 0.01)
     m.observe(0, 1.0)
