@@ -12,7 +12,8 @@ pages into staging blocks.  One run, about a minute:
 2. saves ``--blocks`` blocks of random GPU pages into staging blocks and commits them (each
    ``cuda_copy`` mode in turn, checked byte for byte), then GETs the prefix;
 3. per trial, interleaved: loads the leased prefix into fresh GPU pages with each mode (the
-   per-region async copies, and the gather kernels reading the registered mapping), and the
+   per-region async copies, the gather kernels reading the registered mapping, and
+   ``KVConnector.load`` as a rank calls it: default mode, loads verified), and the
    baselines measured in the same run: one contiguous host-to-device copy of the same bytes
    from pinned memory and from the registered mapping itself (what the bus can do);
 4. checks every load against the saved pages (outside the timed interval) and the books;
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
         pool_dev = torch.as_tensor(_DeviceView(conn.pool.address, conn.pool.size), device=dev)
         lo = lease.blocks[0] * lay.block_bytes
         contiguous = all(b == lease.blocks[0] + j for j, b in enumerate(lease.blocks))
-        timings = {k: [] for k in ("regions", "gather", "pinned_h2d", "mapping_h2d")}
+        timings = {k: [] for k in ("regions", "gather", "connector_load", "pinned_h2d", "mapping_h2d")}
         bad = 0
         for _ in range(a.trials):
             for path in timings:
@@ -128,13 +129,16 @@ def main(argv=None) -> int:
                 if path in ("regions", "gather"):
                     conn.copier.cuda_copy = path
                     conn.copier.load(lease.blocks, dst, dst_pages)
+                elif path == "connector_load":  # what a rank calls: the default mode, loads verified
+                    conn.copier.cuda_copy = "gather"
+                    conn.load(lease, dst, dst_pages)
                 elif path == "pinned_h2d":
                     gpu_buf.copy_(pinned, non_blocking=True)
                 else:
                     gpu_buf.copy_(pool_dev[lo:lo + nbytes])
                 torch.cuda.synchronize()
                 timings[path].append(time.perf_counter() - t)
-                if path in ("regions", "gather") and not same(src, src_pages, dst, dst_pages):
+                if path in ("regions", "gather", "connector_load") and not same(src, src_pages, dst, dst_pages):
                     bad += 1
         out["load"] = {k: {"s": _stats(v), "GBps": _stats([nbytes / x / 1e9 for x in v])} for k, v in timings.items()}
         out["load_corrupt"] = bad
