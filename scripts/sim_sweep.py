@@ -1,7 +1,11 @@
 """The policy sweep on the virtual-time simulator: every arm against the serial bound on the same
 request stream, over L3 speed x budget x prefix length x TP x load, several seeds per row.
 
-    python -m scripts.sim_sweep [--quick] [--json PATH] [--requests N] [--seeds K]
+    python -m scripts.sim_sweep [--quick] [--json PATH] [--requests N] [--seeds K] [--calibration TABLE.json]
+
+With ``--calibration``, each arm pays the fixed costs per request (queue entry, scan, wake-up,
+GET, L3 query) that the real-process table measured for that TP (``scripts.ttft_calibrate``
+checks the model against that table row by row).
 
 A row passes when ``cost_aware``'s TTFT p50 and p90 (over every request of every seed) are
 <= 1.10 x the serial bound's and <= 1.05 x min(whole_task, no_prefetch)'s, with zero corrupt
@@ -96,8 +100,35 @@ def verdict(row: dict) -> dict:
     return out
 
 
-def run_row(p: sv.SimParams, seeds: int, cache: dict) -> dict:
-    """All arms on one parameter set; arms are interleaved within each seed."""
+TABLE_ARM_FOR = {"one_graph_timeout": "timeout_long", "timeout_chunk128": "timeout_long",
+                 "timeout_chunk32": "timeout_short"}  # sweep arm -> the real table's arm it is costed like
+
+
+def calibration(table_json: str) -> dict:
+    """``{tp: {arm: {enter_s, scan_s, wake_s, admit_s, meta_latency_s}}}``: the fixed costs per
+    request the real-process table measured (``scripts.simulate --table --json``), medians over
+    that TP's rows, for each sweep arm (timeout arms: the table's timeout arm of that kind)."""
+    import json
+    from pathlib import Path
+
+    from scripts.ttft_calibrate import fixed_costs
+
+    rows = json.loads(Path(table_json).read_text())["rows"]
+    out: dict = {}
+    for tp in sorted({r["tp"] for r in rows}):
+        mine = [r["timeline_trial"] for r in rows if r["tp"] == tp]
+        out[tp] = {}
+        for arm in sv.ARMS:
+            costs = [fixed_costs(run, TABLE_ARM_FOR.get(arm, arm)) for run in mine]
+            med = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
+            med["meta_latency_s"] = med.pop("query_s")
+            out[tp][arm] = med
+    return out
+
+
+def run_row(p: sv.SimParams, seeds: int, cache: dict, fixed: dict | None = None) -> dict:
+    """All arms on one parameter set; arms are interleaved within each seed.  ``fixed``: per
+    arm, the measured fixed costs (``calibration``) that replace ``p``'s."""
     runs: dict = {a: [] for a in sv.ARMS}
     serial, oracle = [], []
     for s in range(seeds):
@@ -106,11 +137,12 @@ def run_row(p: sv.SimParams, seeds: int, cache: dict) -> dict:
         serial += b["serial"]
         oracle += b["oracle"]
         for arm in sv.ARMS:
-            key = (arm, dataclasses.replace(ps, budget_s=0.0)) if arm in BUDGET_FREE else None
+            pa = dataclasses.replace(ps, **(fixed or {}).get(arm, {}))
+            key = (arm, dataclasses.replace(pa, budget_s=0.0)) if arm in BUDGET_FREE else None
             if key is not None and key in cache:
                 runs[arm].append(cache[key])
                 continue
-            r = sv.run_arm(ps, arm)
+            r = sv.run_arm(pa, arm)
             r.pop("estimates", None)
             if key is not None:
                 cache[key] = r
@@ -144,7 +176,8 @@ def bandwidth_drop_row(p: sv.SimParams, seeds: int) -> dict:
             "pass": all(o["reads_to_converge"] is not None and o["reads_to_converge"] <= 3 for o in out)}
 
 
-def sweep(quick: bool, requests: int, seeds: int) -> dict:
+def sweep(quick: bool, requests: int, seeds: int, fixed_by_tp: dict | None = None) -> dict:
+    """``fixed_by_tp``: :func:`calibration` (None: the model's defaults, no fixed costs)."""
     rows, cache = [], {}
     t0 = time.monotonic()
     ratios, budgets, prefixes, tps, loads = (RATIOS, BUDGETS, (4096, 16384), (2,), LOADS) if quick else \
@@ -156,7 +189,7 @@ def sweep(quick: bool, requests: int, seeds: int) -> dict:
                     for budget in budgets:
                         p = sv.SimParams(tp=tp, prefix_tokens=prefix, l3_ratio=ratio, budget_s=budget, load=load,
                                          requests=requests, n_prefixes=max(2, requests // 4), seed=1)
-                        row = run_row(p, seeds, cache)
+                        row = run_row(p, seeds, cache, (fixed_by_tp or {}).get(tp))
                         rows.append(row)
                         print_row(row)
     drop = bandwidth_drop_row(sv.SimParams(tp=2, prefix_tokens=16384, l3_ratio=0.4, load=0.8,
@@ -185,9 +218,13 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--calibration", metavar="TABLE.json",
+                    help="the fixed costs per request a real-process table measured (scripts.simulate --table)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the executor's drain warnings are expected here
-    out = sweep(a.quick, a.requests, a.seeds)
+    fixed = calibration(a.calibration) if a.calibration else None
+    out = sweep(a.quick, a.requests, a.seeds, fixed)
+    out["calibration"] = {"table": a.calibration, "fixed_by_tp": fixed}
     d = out["bandwidth_drop"]
     print(f"\nbandwidth drop 4x at half the stream: reads to re-converge per seed "
           f"{[s['reads_to_converge'] for s in d['seeds']]} (target <= 3): {'PASS' if d['pass'] else 'MISS'}")
