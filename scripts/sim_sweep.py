@@ -111,15 +111,16 @@ def calibration(table_json: str) -> dict:
     import json
     from pathlib import Path
 
-    from scripts.ttft_calibrate import fixed_costs
+    from scripts.ttft_calibrate import arrivals_of, fixed_costs
 
-    rows = json.loads(Path(table_json).read_text())["rows"]
+    table = json.loads(Path(table_json).read_text())
+    rows = table["rows"]
     out: dict = {}
     for tp in sorted({r["tp"] for r in rows}):
-        mine = [r["timeline_trial"] for r in rows if r["tp"] == tp]
+        mine = [(r["timeline_trial"], arrivals_of(r, table["requests"])) for r in rows if r["tp"] == tp]
         out[tp] = {}
         for arm in sv.ARMS:
-            costs = [fixed_costs(run, TABLE_ARM_FOR.get(arm, arm)) for run in mine]
+            costs = [fixed_costs(run, TABLE_ARM_FOR.get(arm, arm), arr) for run, arr in mine]
             med = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
             med["meta_latency_s"] = med.pop("query_s")
             out[tp][arm] = med

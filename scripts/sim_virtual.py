@@ -16,7 +16,7 @@ decisions must give identical answers — ``ranks_agree``).  Requests enter the 
 prefetch) the moment they arrive; when the engine is free it scans the queue in order,
 *skipping* a request whose prefetch is still running (SGLang continues to the next request),
 and admits the first ready one.  A request enters the queue ``enter_s`` after it arrives and
-is scanned in that iteration; a prefill's end is followed by a scan at once; with nothing ready
+is scanned in that iteration; a prefill's end is followed by a scan ``turnaround_s`` later; with nothing ready
 the engine waits for a queued session to end and scans ``wake_s`` after it.  An admission's
 prefill starts after the scan's round trip (``scan_s``) and the GET's (``admit_s``).  These
 fixed costs are what the real-process run measured (``scripts.ttft_calibrate``).  A scanned
@@ -83,6 +83,7 @@ class SimParams:
     enter_s: float = 0.0  # arrival -> in the waiting queue, its prefetch sent (calibration)
     scan_s: float = 0.0  # a scan's round trip before the admission it decides (calibration)
     wake_s: float = 0.0  # a queued request's session ended, the engine idle -> its next scan (calibration)
+    turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
 
     @property
     def l3_s_per_block(self) -> float:
@@ -324,7 +325,7 @@ class Engine:
                 self.source[b] = "engine"
             for c in self.ranks:
                 self.core.op_commit(c, {"staging": st["staging"]})
-        self._arm_step()
+        self._arm_step(self.p.turnaround_s)
 
     # -- the run -----------------------------------------------------------------------------------------
     def run(self) -> dict:

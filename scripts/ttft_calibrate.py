@@ -30,7 +30,7 @@ def _median(xs: list, default: float) -> float:
     return statistics.median(xs) if xs else default
 
 
-def fixed_costs(run: dict, arm: str | None = None) -> dict:
+def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None) -> dict:
     """The per-request fixed costs the real run showed (medians, seconds), from its timelines:
 
     * ``query_s``: the L3 existence query (session created -> answered; every arm);
@@ -38,12 +38,23 @@ def fixed_costs(run: dict, arm: str | None = None) -> dict:
     * ``scan_s``: a scan's round trip, from requests admitted by the scan that first saw them
       at an idle engine (entered -> admitted within 5 ms, demanded and admitted together);
     * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms);
-    * ``admit_s``: the GET's round trip.
+    * ``admit_s``: the GET's round trip;
+    * ``turnaround_s`` (with ``arrivals``, ``{req: arrival_s}``): a prefill's end -> the next
+      admission of a request already queued, less ``scan_s`` (the engine noticing the end, the
+      finished request's store, the next scan), within 10 ms.
 
     ``arm``: that arm's own requests (a cost it has no sample of: every arm's); None: all arms."""
-    samples = {k: ([], []) for k in ("query_s", "enter_s", "scan_s", "wake_s", "admit_s")}
+    keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s")
+    samples = {k: ([], []) for k in keys}
     for name, a in run["arms"].items():
         mine = arm is None or name == arm
+        if arrivals:
+            spans = sorted((arrivals[r["req"]] * 1e3 + r["timeline"]["admit"], arrivals[r["req"]] * 1e3 + r["timeline"]["entered"],
+                            arrivals[r["req"]] * 1e3 + r["timeline"]["prefill_end"])
+                           for r in a.get("results", ()) if "timeline" in r)
+            for (_, _, end), (admit, entered, _) in zip(spans, spans[1:]):
+                if entered < end <= admit < end + 10.0:  # queued when the prefill ended
+                    samples["turnaround_s"][0 if mine else 1].append((admit - end) / 1e3)
         for r in a.get("results", ()):
             ev = {e[0]: e[1] for e in r.get("events") or ()}
             t = r.get("timeline") or {}
@@ -62,17 +73,29 @@ def fixed_costs(run: dict, arm: str | None = None) -> dict:
                     got["wake_s"] = t["admit"] - ev["terminal"]
             for k, v in got.items():
                 samples[k][0 if mine else 1].append(v / 1e3)
-    defaults = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0}
-    return {k: _median(own or own + other if own else other, defaults[k]) for k, (own, other) in samples.items()}
+    defaults = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0, "turnaround_s": 0.0}
+    out = {k: _median(own or own + other if own else other, defaults[k]) for k, (own, other) in samples.items()}
+    out["turnaround_s"] = max(0.0, out["turnaround_s"] - out["scan_s"])
+    return out
+
+
+def arrivals_of(row: dict, requests: int) -> dict:
+    """``{req: arrival_s}`` of a table row's request stream."""
+    return {rid: arr for arr, rid, _ in simulate.stream_of(row_stream_args(row, requests))}
+
+
+def row_stream_args(row: dict, requests: int) -> dict:
+    return dict(seed=11, requests=requests, n_prefixes=N_PREFIXES, prefix_tokens=PREFIX_TOKENS, suffix_tokens=128,
+                load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
 
 
 def virtual_row(row: dict, requests: int) -> dict:
     agg = row["aggregate"]
     rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
     lay = simulate.make_layout(row["tp"])
-    base = dict(seed=11, requests=requests, n_prefixes=N_PREFIXES, prefix_tokens=PREFIX_TOKENS, suffix_tokens=128,
-                load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
+    base = row_stream_args(row, requests)
     stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)
+    arrivals = {rid: arr for arr, rid, _ in stream}
     c = rates["compute_s_per_block"]
     p = sv.SimParams(tp=row["tp"], tokens_per_block=64, requests=requests, compute_s_per_block=c,
                      copy_s_per_block=rates["copy_s_per_block"], l3_ratio=rates["l3_s_per_block"] / c,
@@ -80,9 +103,9 @@ def virtual_row(row: dict, requests: int) -> dict:
     out = {}
     for arm, kw in TABLE_ARMS.items():
         arm_kw = {k: v for k, v in kw.items() if k != "budget_s"} if kw else None  # (the row's chunk size)
-        fixed = fixed_costs(row["timeline_trial"], arm)
+        fixed = fixed_costs(row["timeline_trial"], arm, arrivals)
         pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s), meta_latency_s=fixed["query_s"],
-                                 **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s")})
+                                 **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s")})
         res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
         ttft = [r["ttft_s"] * 1e3 for r in res["results"]]
         real = trials_mod.median(agg["arms"][arm]["ttft_p50_ms"])
