@@ -105,7 +105,7 @@ TABLE_ARM_FOR = {"one_graph_timeout": "timeout_long", "timeout_chunk128": "timeo
 
 
 def calibration(table_json: str) -> dict:
-    """``{tp: {arm: {enter_s, scan_s, wake_s, admit_s, meta_latency_s}}}``: the fixed costs per
+    """``{tp: {arm: {enter_s, scan_s, wake_s, admit_s, turnaround_s, skew_s, meta_latency_s}}}``: the fixed costs per
     request the real-process table measured (``scripts.simulate --table --json``), medians over
     that TP's rows, for each sweep arm (timeout arms: the table's timeout arm of that kind)."""
     import json

@@ -84,6 +84,7 @@ class SimParams:
     scan_s: float = 0.0  # a scan's round trip before the admission it decides (calibration)
     wake_s: float = 0.0  # a queued request's session ended, the engine idle -> its next scan (calibration)
     turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
+    skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
 
     @property
     def l3_s_per_block(self) -> float:
@@ -300,7 +301,7 @@ class Engine:
         # (resident at queue entry, stored by an earlier prefill, or read by another session)
         restored_l3 = min(n, rec.restored) if rec is not None else 0
         prefill = (self.p.scan_s + self.p.admit_s + n * self.p.copy_s_per_block
-                   + (r.blocks - n) * self.p.compute_s_per_block)
+                   + (r.blocks - n) * self.p.compute_s_per_block + self.p.skew_s)
         self.busy_until = now + prefill
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
                 "hit_l3": restored_l3, "recomputed": r.blocks - n, "queue_s": now - r.arrival,
