@@ -278,12 +278,13 @@ class _Rank:
                         "keys": keys, "restored": restored}
         return (rid, slot.tokens)
 
-    def start_check(self) -> None:
-        """On the helper thread: fill the pages the prefill computes (its store reads them), then
-        check the pages it loaded.  The leader asks once every rank has admitted: work started at
-        a rank's own admission took the CPU from a rank still admitting (2 cores: the group's
-        prefill started up to 4 ms late).  Nothing waits for the check (see :meth:`reap`)."""
-        run = self.running
+    def start_check(self, run: dict | None = None) -> None:
+        """On the helper thread: fill the pages ``run`` (default: the running prefill) computes
+        (its store reads them), then check the pages it loaded.  The leader asks once every rank
+        has admitted: work started at a rank's own admission took the CPU from a rank still
+        admitting (2 cores: the group's prefill started up to 4 ms late).  Nothing waits for the
+        check (see :meth:`reap`)."""
+        run = self.running if run is None else run
         if run is not None and run["fill"] is None:
             pages, keys, r = run["pages"], run["keys"], run["restored"]
             run["fill"] = self.checker.submit(fill_pages, self.kv, self.base, pages[r:], keys[r:])
@@ -294,10 +295,7 @@ class _Rank:
         run, self.running = self.running, None
         rid, slot, pages = run["rid"], run["slot"], run["pages"]
         waited = time.monotonic()
-        if run["fill"] is None:
-            self.running = run
-            self.start_check()
-            self.running = None
+        self.start_check(run)  # (if the leader's ask has not come first)
         if run["restored"] < len(pages):
             run["fill"].result(timeout=60)  # (bounded) the store below reads the computed pages
         run["over"] = max(0.0, time.monotonic() - max(waited, run["end"]))  # reported, not charged

@@ -12,12 +12,12 @@ written into it; every GET is checked against the chain, so a block handed out b
 
 The scheduler is SPMD like a real engine: one decision per step, replayed to every rank
 (each rank sends the same ``poll`` / ``get`` with the same ``step``; the sidecar's group
-decisions must give identical answers — ``ranks_agree``).  Requests enter the queue (and
-prefetch) the moment they arrive; when the engine is free it scans the queue in order,
-*skipping* a request whose prefetch is still running (SGLang continues to the next request),
-and admits the first ready one.  A request enters the queue ``enter_s`` after it arrives and
-is scanned in that iteration; a prefill's end is followed by a scan ``turnaround_s`` later; with nothing ready
-the engine waits for a queued session to end and scans ``wake_s`` after it.  An admission's
+decisions must give identical answers — ``ranks_agree``).  A request enters the queue (and
+prefetches) ``enter_s`` after it arrives and is scanned in that iteration; when the engine is
+free it scans the queue in order, *skipping* a request whose prefetch is still running (SGLang
+continues to the next request), and admits the first ready one.  A prefill's end is followed
+by a scan ``turnaround_s`` later; with nothing ready the engine waits for a queued session to
+end and scans ``wake_s`` after it.  An admission's
 prefill starts after the scan's round trip (``scan_s``) and the GET's (``admit_s``).  These
 fixed costs are what the real-process run measured (``scripts.ttft_calibrate``).  A scanned
 request is a scheduling candidate (``demand``, once).
@@ -76,7 +76,6 @@ class SimParams:
     bandwidth_drop_at: float | None = None  # fraction of the stream after which L3 slows down
     bandwidth_drop: float = 4.0
     budget_s: float = 0.6  # timeout arms (cost_aware: no cap)
-    step_s: float = 0.002  # (kept for callers; the engine now wakes on events, see Engine)
     pool_blocks: int = 0  # 0: six times the longest request
     follow_up: float = 0.25  # share of requests that continue an earlier conversation
     admit_s: float = 0.0  # fixed engine-side cost per admission: the GET's round trip (calibration)
@@ -182,11 +181,14 @@ class _Req:
     admitted_at: float | None = None
 
 
+_ARMS_ENTRY = object()  # Engine's default arm settings: the arm's entry in ARMS
+
+
 class Engine:
-    def __init__(self, p: SimParams, arm: str, stream: list, arm_kw: dict | None | str = "table"):
+    def __init__(self, p: SimParams, arm: str, stream: list, arm_kw=_ARMS_ENTRY):
         """``arm_kw``: the arm's prefetch settings (None: no prefetch); by default ``ARMS[arm]``."""
         self.p, self.arm = p, arm
-        self.kw = ARMS[arm] if arm_kw == "table" else arm_kw
+        self.kw = ARMS[arm] if arm_kw is _ARMS_ENTRY else arm_kw
         self.loop = VirtualLoop()
         lay = KVLayout(model="vsim", num_layers=1, num_kv_heads=p.tp, head_dim=8,
                        tokens_per_block=p.tokens_per_block, tp_size=p.tp)

@@ -28,8 +28,8 @@ recomputed pages) runs on a helper thread of each rank once every rank has admit
 earlier, it took the CPU from a rank still admitting), so it is not charged to TTFT: the fill
 ends before the request's store (``sim_overhead_ms`` reports any wait for it past the prefill),
 and a request's pages return to the free list once their check has read them.  The group's
-prefill ends with its slowest rank's (``rank_skew_ms``: how much after rank 0's).  Every rank must admit the same request with the same
-restored length at every step (``ranks_agree``).  Rank 0 stamps a per-request timeline
+prefill ends with its slowest rank's (``rank_skew_ms``: how much after rank 0's).  Every rank
+must admit the same request with the same restored length at every step (``ranks_agree``).  Rank 0 stamps a per-request timeline
 (``--timeline``) joined with the session's own events from the sidecar (``poll`` with
 ``events``); bounds are computed from the rates this run achieved (``scripts.ttft_bounds``).
 """
@@ -101,8 +101,7 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
         if first["admitted"] is not None:
             for a in pipes:  # every rank admitted: now each checks what it loaded (not charged)
                 a.send(("check",))
-            ends = [r["end"] for r in replies if r["end"] is not None]
-            busy_until = max(ends)
+            busy_until = max(r["end"] for r in replies if r["end"] is not None)
             # the group's prefill ends with its slowest rank's: how much later than rank 0's
             skews[first["admitted"][0]] = (busy_until - first["end"]) * 1e3
         if first["admitted"] is None and first["done"] is None and not arrivals:

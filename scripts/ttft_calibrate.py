@@ -78,7 +78,7 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
                 samples[k][0 if mine else 1].append(v / 1e3)
     defaults = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0, "turnaround_s": 0.0,
                 "skew_s": 0.0}
-    out = {k: _median(own or own + other if own else other, defaults[k]) for k, (own, other) in samples.items()}
+    out = {k: _median(own or other, defaults[k]) for k, (own, other) in samples.items()}
     out["turnaround_s"] = max(0.0, out["turnaround_s"] - out["scan_s"])
     return out
 

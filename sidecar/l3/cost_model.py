@@ -81,17 +81,13 @@ class ReadCostModel:
             self._w = self._k = self._kk = self._s = self._ks = 0.0
             self._min_s = float("inf")
             self._accumulate(prev_blocks, prev_seconds)
-            self._accumulate(blocks, seconds)
-            self.samples += 1
-            self._latency = self._fit_latency()
-            self._per_block = max(1e-9, max(0.0, seconds - self._latency) / blocks)
-            return
         self._accumulate(blocks, seconds)
         self.samples += 1
         self._latency = self._fit_latency()
         sample = max(0.0, seconds - self._latency) / blocks
         a = self.forget
-        self._per_block = max(1e-9, sample if self.samples == 1 else a * self._per_block + (1 - a) * sample)
+        fresh = self.samples == 1 or changed  # (a new regime: the old per-block cost is no guide)
+        self._per_block = max(1e-9, sample if fresh else a * self._per_block + (1 - a) * sample)
 
     def _accumulate(self, blocks: int, seconds: float) -> None:
         f = self.latency_forget
