@@ -79,6 +79,7 @@ class EngineAdapter:
         self._prefill_s_per_block = self.cfg.prefill_s_per_block  # EWMA of observed prefills
         self._held: dict[str, int] = {}  # req -> blocks its session holds (last poll): the ETA of those behind
         self._sent: dict[str, int] = {}  # req -> id of its prefetch, whose answer is not taken yet
+        self._ready: dict[str, Lease] = {}  # req -> the lease its scan took (check_queue(lease=True)), for admit
 
     # -- connection management (kvsidecar.connector.reconnect) -------------------------------------
     @property
@@ -97,6 +98,7 @@ class EngineAdapter:
     def close(self) -> None:
         for req in list(self.slots):
             self.rollback_restore(req)
+        self._drop_ready()
         self.link.close()
 
     def _new_generation(self) -> None:
@@ -104,6 +106,14 @@ class EngineAdapter:
         self.slots.clear()
         self.prefetching.clear()
         self._sent.clear()
+        self._ready.clear()
+
+    def _drop_ready(self, req: str | None = None) -> None:
+        """Release the lease a scan took for ``req`` (None: every one) that no admission used."""
+        for r in ([req] if req is not None else list(self._ready)):
+            lease = self._ready.pop(r, None)
+            if lease is not None and lease.id:
+                self._call(lambda: self.conn.release(lease), None, retry=False)
 
     def _call(self, fn, default, *, retry: bool = True):
         """``fn()`` or ``default`` (a miss).  ``retry=False`` for a call bound to an id the old
@@ -201,20 +211,26 @@ class EngineAdapter:
             return True, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
         return False, 0
 
-    def check_queue(self, scan: list, step: int) -> tuple[int | None, int]:
+    def check_queue(self, scan: list, step: int, lease: bool = False) -> tuple[int | None, int]:
         """:meth:`check_progress` for a scheduler's scan of its waiting queue, in one round trip.
 
         ``scan``: ``(req, eta_s, demand)`` in queue order.  Returns ``(position of the first
         request ready to admit, or None; its tokens restorable)`` — exactly what checking them
         one by one, stopping at the first ready one, returns, and with the same effect on the
         sidecar: a request behind the first ready one is neither polled nor demanded.  Identical
-        on every rank for the same step."""
+        on every rank for the same step.
+
+        ``lease``: the caller admits the ready request at this ``step`` (:meth:`admit`): a
+        terminal session the scan stops at is leased in the same round trip, and that admit
+        sends no ``get`` of its own (a scan's lease that no admission takes is released by the
+        next scan, an abort or :meth:`close`)."""
+        self._drop_ready()
         asked = []
         for req, eta_s, demand in scan:
             if req not in self.prefetching:
                 break  # ready without asking: the scan stops here
             asked.append((req, eta_s, demand))
-        views = self._call(lambda: self.conn.poll_scan(asked, step=step), None) if asked else []
+        views = self._call(lambda: self.conn.poll_scan(asked, step=step, get=lease), None) if asked else []
         for pos, (req, _, _) in enumerate(asked):
             view = views[pos] if views is not None and pos < len(views) else None
             if not self._settle(req):
@@ -222,8 +238,15 @@ class EngineAdapter:
             if view is not None and view.get("state") != "error":
                 self._held[req] = view.get("prefix", view.get("published", 0)) or 0
             if view is None or view.get("state") in ("terminal", "unknown", "error"):
+                got = (view or {}).get("get")
+                if got is not None and "lease" in got:
+                    self._ready[req] = self.conn.lease_of(got, self.chain_of(req))
                 return pos, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
         return (len(asked), 0) if len(asked) < len(scan) else (None, 0)
+
+    def chain_of(self, req: str) -> bytes:
+        """The chain :meth:`chain` made for ``req`` (empty when none was)."""
+        return self._chains.get(req, b"")
 
     def wait_for_queue(self, reqs, timeout_s: float) -> bool:
         """An engine loop with nothing ready to admit: block until the first of ``reqs`` (queue
@@ -247,7 +270,9 @@ class EngineAdapter:
         """
         chain = self.chain(req, token_ids)
         slot = RestoreSlot(req, None, [], 0)
-        lease = self._call(lambda: self.conn.get(chain, req=req, step=step), None) if chain else None
+        lease = self._ready.pop(req, None)  # taken by the scan that found it ready (check_queue)
+        if lease is None and chain:
+            lease = self._call(lambda: self.conn.get(chain, req=req, step=step), None)
         if lease is not None and lease.count:
             pages = alloc_pages(lease.count)
             if pages is None:
@@ -284,6 +309,7 @@ class EngineAdapter:
     def on_abort(self, req: str) -> list:
         """The request left at any stage: abort its prefetch, release its slot; returns pages to free."""
         pages = self.rollback_restore(req)
+        self._drop_ready(req)
         if req in self.prefetching:
             self._call(lambda: self.conn.abort(req), None)
             self.prefetching.discard(req)

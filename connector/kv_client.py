@@ -164,7 +164,11 @@ class KVConnector:
         return self.client.call("lookup", chain=chain, **group)["hit"]
 
     def get(self, chain: bytes, max_blocks: int | None = None, **group) -> Lease:
-        r = self.client.call("get", chain=chain, max_blocks=max_blocks, **group)
+        return self.lease_of(self.client.call("get", chain=chain, max_blocks=max_blocks, **group), chain)
+
+    @staticmethod
+    def lease_of(r: dict, chain: bytes) -> Lease:
+        """The :class:`Lease` a ``get`` answer of ``chain`` grants (also a scan's, ``poll_scan(get=True)``)."""
         return Lease(r["lease"], _ids(r["blocks"]), r["count"], bool(r.get("stale")), r.get("sums") or b"",
                      chain[:KEY_BYTES * r["count"]])
 
@@ -267,13 +271,16 @@ class KVConnector:
         return self.client.call("poll", req=req, attempt=attempt or None, step=step, eta_s=eta_s,
                                 demand=demand or None)
 
-    def poll_scan(self, polls: list, step: int | None = None, until_ready: bool = True) -> list[dict]:
+    def poll_scan(self, polls: list, step: int | None = None, until_ready: bool = True, get: bool = False) -> list[dict]:
         """A scheduler's scan of its queue in one round trip: ``polls`` are ``(req, eta_s, demand)``
         or ``(req, eta_s, demand, attempt)`` in queue order, each answered exactly as
         :meth:`poll` would (same step, same group
         decision).  With ``until_ready`` the sidecar stops after the first request ready to admit
         (its session terminal or unknown), so nothing behind it is demanded.  Returns the views of
-        the entries taken, in order (a refused entry: ``{"state": "error", ...}``)."""
+        the entries taken, in order (a refused entry: ``{"state": "error", ...}``).  ``get``: a
+        terminal session the scan stops at is leased in the same round trip — its view's ``get``
+        is a ``get`` answer (:meth:`lease_of` makes the lease; the caller releases it) or
+        ``{"err", "msg"}``."""
         entries = []
         for req, eta_s, demand, *attempt in polls:
             e = {"req": req}
@@ -287,7 +294,7 @@ class KVConnector:
         views = []
         for i in range(0, len(entries), MAX_SCAN):  # (a queue longer than one frame: in pieces)
             part = self.client.call("poll_scan", polls=entries[i:i + MAX_SCAN], step=step,
-                                    until_ready=until_ready or None)["views"]
+                                    until_ready=until_ready or None, get=(get and until_ready) or None)["views"]
             views.extend(part)
             if until_ready and len(part) < len(entries[i:i + MAX_SCAN]):
                 break

@@ -218,7 +218,7 @@ class _Rank:
         # requests the engine then waited on.)  The demand rides on the scan's check, and the
         # whole scan is one round trip, stopping at the first ready request as the loop would.
         scan = [(rid, eta, rid not in self.demanded) for rid, eta in zip(self.queue, self.etas())]
-        pos, _ = self.ad.check_queue(scan, step)
+        pos, _ = self.ad.check_queue(scan, step, lease=True)  # (admitted at this step: leased by the scan)
         now = time.monotonic()
         for rid, _, demand in scan[:len(scan) if pos is None else pos + 1]:
             if demand:

@@ -90,8 +90,9 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     "wait": OpSchema({"req": STR}, {"attempt": INT, "until": INT, "terminal": BOOL, "wait_s": FLOAT}, kv=True),
     # a scheduler's scan of its waiting queue in one round trip: each entry is a ``poll`` (same
     # step, same group decision), in order; with ``until_ready`` the scan stops after the first
-    # entry whose session is ready to admit (terminal or unknown), as the scheduler's own scan does
-    "poll_scan": OpSchema({"polls": POLL_ENTRY}, {"step": INT, "until_ready": BOOL}, kv=True),
+    # entry whose session is ready to admit (terminal or unknown), as the scheduler's own scan does;
+    # with ``get`` a terminal session it stops at is also leased, as a ``get`` of its chain would
+    "poll_scan": OpSchema({"polls": POLL_ENTRY}, {"step": INT, "until_ready": BOOL, "get": BOOL}, kv=True),
 }
 
 

@@ -31,6 +31,9 @@ Guarantees (checked by the property tests):
   (``Demand`` is a re-plan with the ETA at *now*, not a seal); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
   worth reading.  ``budget_s`` (the deadline) is an optional cap, as for ``timeout``.
+  Started with the engine's ETA (``Start.eta_given``) it sends no L3 query when even the
+  best case (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`) cannot pay: it is
+  terminal from the start (``CREATED → TERMINAL``), holding the resident prefix.
 """
 
 from __future__ import annotations
@@ -104,6 +107,10 @@ class Finish:
 @dataclasses.dataclass(frozen=True)
 class Start:
     now: float
+    # cost_aware: the engine sent its ETA with the prefetch, so the outlook at start is the
+    # engine's own: a query whose best case cannot lower TTFT is not sent (the session ends at
+    # once with the resident prefix).  Without one the ETA is only assumed "now": it queries.
+    eta_given: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,6 +426,11 @@ class Session:
     def _on_start(self, e: Start) -> list:
         if self.p.resident >= self.p.total:
             self.state = State.RUNNING
+            return self._maybe_finish()
+        if self.p.policy == Policy.COST_AWARE and e.eta_given and not cost.worth_querying(
+                self.outlook, e.now, self.p.total - self.p.resident, self.p.chunk_max_blocks):
+            self.state = State.RUNNING  # (no query out: it ends now, holding only what is resident)
+            self._seal(Status.COST, "cost")
             return self._maybe_finish()
         self.state = State.QUERYING
         self.query_asked_at = e.now

@@ -133,7 +133,7 @@ class SessionManager(Service):
         self._counters[f"started_{policy.value}"] += 1
         if deadline is not None:
             self.host.call_at(deadline, self._deadline_due, rec.id)
-        self._run(rec, rec.machine.handle(Start(now)))
+        self._run(rec, rec.machine.handle(Start(now, eta_given=rec.eta is not None)))
         return self._view(rec)
 
     def op_demand(self, conn, msg) -> dict:
@@ -196,7 +196,13 @@ class SessionManager(Service):
         refused entry), so nothing behind it is demanded — as the scheduler's own scan, which
         starts that request, never reaches them.  ``views``: one per entry taken, in order; a
         refused entry's view is ``{"state": "error", "err", "msg"}`` (the scan goes on past it
-        only without ``until_ready``)."""
+        only without ``until_ready``).
+
+        With ``get`` (and ``until_ready``) the scan that stops at a terminal session also leases
+        it: the view carries ``get``, exactly the answer of a ``get`` of the session's chain
+        with the request and the scan's ``step`` (the group's decision, this rank's share and
+        checksums, the session's result handed over), or ``{"err", "msg"}`` where that ``get``
+        is refused — so the engine admits with one round trip, not a scan and then a ``get``."""
         step, until_ready = msg.get("step"), bool(msg.get("until_ready"))
         views = []
         for entry in msg["polls"]:
@@ -210,8 +216,22 @@ class SessionManager(Service):
                 view = {"state": "error", "err": int(exc.code), "msg": exc.message}
             views.append(view)
             if until_ready and view["state"] in ("terminal", "unknown", "error"):
+                if msg.get("get") and view["state"] == "terminal":
+                    view["get"] = self._lease_ready(conn, one)
                 break
         return {"views": views}
+
+    def _lease_ready(self, conn, entry: dict) -> dict:
+        """``get`` of the chain of the terminal session ``entry`` names (:meth:`op_poll_scan`)."""
+        rec = self.records.get(self._key(conn, entry))
+        if rec is None:  # (terminal, so not forgotten: a view said so in this same step)
+            return {"err": int(ErrorCode.UNKNOWN_ID), "msg": f"no session for {entry['req']!r}"}
+        get = {"chain": rec.chain, "req": entry["req"], "attempt": entry.get("attempt", 0), "step": entry.get("step")}
+        try:
+            return self.core.op_get(conn, get)
+        except OpError as exc:
+            self._counters["scan_get_refused"] += 1
+            return {"err": int(exc.code), "msg": exc.message}
 
     def op_wait(self, conn, msg):
         """Deferred: the view once the session's L3 query is done (or ``until`` blocks are

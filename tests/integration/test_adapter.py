@@ -142,6 +142,45 @@ def test_check_queue_is_the_scan_stopping_at_the_first_ready_request(sidecar_fac
     ad.close()
 
 
+def test_a_scan_that_admits_leases_the_ready_request_in_the_same_round_trip(sidecar_factory, instance, tmp_path):
+    """``check_queue(lease=True)``: the scan that finds a terminal session also leases it, so
+    ``admit`` sends no ``get`` of its own and loads exactly the stored bytes; a scan's lease
+    that no admission takes is released by the next scan, or by an abort."""
+    sidecar_factory(**overrides(tmp_path))
+    ad = make_adapter(instance, policy="wait_complete")
+    assert ad.start()
+    assert serve(ad, "warm", TOKS, 1) == 0  # computed into pages 0..19 and stored
+    wait_l3_idle(ad.conn)
+    stored = [tuple(t[:20].clone() for t in layer) for layer in ad.kv_caches]
+    ops = []
+    call = ad.conn.client.call
+    ad.conn.client.call = lambda op, **kw: (ops.append(op), call(op, **kw))[1]
+    for step, req in enumerate(("q0", "q1", "q2"), start=10):
+        ad.on_queue_entry(req, TOKS)  # all resident: terminal at once
+        wait_until(lambda: ad.conn.poll(req)["state"] == "terminal", 10, f"{req} terminal")
+        ops.clear()
+        assert ad.check_queue([(req, None, True)], step, lease=True) == (0, len(TOKS))
+        assert "poll_scan" in ops and req in ad._ready
+        if req == "q0":  # admitted: its load is the scan's lease, no get
+            ops.clear()
+            slot = ad.admit(req, TOKS, step, alloc_from(list(range(20, 40))))
+            assert slot.tokens == len(TOKS) and "get" not in ops, ops
+            assert all(torch.equal(a[20:40], b) for la, lb in zip(ad.kv_caches, stored) for a, b in zip(la, lb))
+            ad.commit_restore(req)
+        elif req == "q1":  # not admitted: the next scan releases it
+            live = books(ad)["leases"]["live"]
+            assert ad.check_queue([], step + 100, lease=True) == (None, 0) and not ad._ready
+            assert books(ad)["leases"]["live"] == live - 1
+            ad.on_abort(req)
+        else:  # aborted while leased: released
+            ad.on_abort(req)
+            assert not ad._ready
+    ad.conn.client.call = call
+    s = books(ad)
+    assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0 and s["pool"]["staging"] == 0
+    ad.close()
+
+
 def test_wait_for_queue_is_woken_when_the_first_prefetching_request_ends(sidecar_factory, instance, tmp_path,
                                                                            read_gate):
     """An engine with nothing ready sleeps in ``wait_for_queue``: bounded while the first

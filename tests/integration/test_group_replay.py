@@ -263,3 +263,43 @@ def test_a_rank_with_two_connections_keeps_its_shares_when_one_leaves(sidecar_fa
     lease_b = r1b.get(chain_b)
     assert loaded_values(r1b, lease_b) == {5.0}
     release_check_detach([(r1b, lease_b)], (r0, r1b))
+
+
+def test_a_scan_lease_is_the_groups_get_and_follows_the_same_replay_rule(sidecar_factory, instance):
+    """``poll_scan(get=True)`` leases a terminal session exactly as a ``get`` of its chain at the
+    scan's step: every rank gets the same blocks and a share of one group lease (each loads its
+    own shard's bytes).  A rank that was away when the scan leased, and comes back after that
+    lease is gone and its blocks hold another chain, replays the scan as a stale miss."""
+    sidecar_factory(**overrides(N, **{"l3.backend": "none"}))
+    r0, r1 = rank(instance, 0), rank(instance, 1)
+    h = [rank(instance, 0, "h"), rank(instance, 1, "h")]
+    store_group([r0, r1], 1, 1.0, "store-A")
+    chain_a = r0.hasher.chain(tokens(1))
+    for c in (r0, r1):
+        assert c.prefetch(chain_a, "r", policy="wait_complete")["state"] == "terminal"  # resident
+    leases = []
+    for c in (r0, r1):
+        (view,) = c.poll_scan([("r", None, True)], step=3, get=True)
+        assert view["state"] == "terminal" and view["get"]["count"] == N, view
+        leases.append(c.lease_of(view["get"], chain_a))
+    assert leases[0].id == leases[1].id and leases[0].blocks == leases[1].blocks
+    assert [loaded_values(c, lease) for c, lease in zip((r0, r1), leases)] == [{1.0}, {1.0}]
+    for c, lease in zip((r0, r1), leases):
+        c.release(lease)
+    books_clean(counters(r0))  # one lease, both shares released
+    # rank 1 away while rank 0 scans (and leases) request "s"; the blocks are then reused
+    r1.detach()
+    assert r0.prefetch(chain_a, "s", policy="wait_complete")["state"] == "terminal"
+    (view,) = r0.poll_scan([("s", None, True)], step=4, get=True)
+    lease = r0.lease_of(view["get"], chain_a)
+    assert lease.count == N and loaded_values(r0, lease) == {1.0}
+    r0.release(lease)
+    assert r0.flush() == N
+    store_group(h, 2, 5.0, "store-B")
+    r1.attach()
+    (view,) = r1.poll_scan([("s", None, True)], step=4, get=True)  # the group's step-4 scan, replayed
+    assert view["state"] == "terminal"
+    late = r1.lease_of(view["get"], chain_a)
+    assert (late.count, late.stale) == (0, True), loaded_values(r1, late)
+    assert counters(r0)["counters"]["decisions_stale"] == 1
+    release_check_detach([], (r0, r1, *h))

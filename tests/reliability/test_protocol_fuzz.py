@@ -220,6 +220,7 @@ FIELD = {
     "demand": st.booleans(),
     "wait_s": st.sampled_from([0, 0.0, 1e-4, 0.001, 0.02]),
     "until_ready": st.booleans(),
+    "get": st.booleans(),  # (a poll_scan that leases the terminal session it stops at)
 }
 # a poll_scan's entries: mostly well-formed polls of real and unknown requests, sometimes a bad
 # entry (a missing req, a junk field value, not a map) or a list over MAX_SCAN

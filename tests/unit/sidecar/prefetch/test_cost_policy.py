@@ -11,8 +11,8 @@ from kvsidecar.shm.protocol import PROTOCOL_VERSION, decode_request, encode
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
 from kvsidecar.sidecar.prefetch import cost
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Finish, IllegalEvent, Params, Policy, QueryDone,
-                                      Replan, Session, Start, State, Status, Tick)
+from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Finish, IllegalEvent, Params, Policy, Query,
+                                      QueryDone, Replan, Session, Start, State, Status, Tick)
 from tests.unit.sidecar.prefetch.test_executor import Bench, terminal
 
 # regimes: one block costs 10 ms to prefill
@@ -149,6 +149,27 @@ def run_to_end(s: Session, now: float, outlook=None) -> Finish | None:
         out = finish(s.handle(ChunkDone(c.id, (True,) * c.count, now, outlook)))
         now += 0.01
     return out
+
+
+def test_machine_an_engine_eta_that_leaves_nothing_to_gain_sends_no_query():
+    """Given the engine's ETA at start, a session whose best case cannot lower TTFT (L3 dearer
+    than prefill and the prefill could start now) ends at once with the resident prefix: no L3
+    query, and a scan finds it ready at once.  Where some of it can pay, or without an ETA (it
+    is only assumed "now"), it queries as before."""
+    for regime, eta, given, queries in [(SLOW, 0.0, True, False), (SLOW, 0.0, False, True),
+                                        (SLOW, 0.2, True, True), (FAST, 0.0, True, True)]:
+        s = Session(Params(Policy.COST_AWARE, 64, 5, 8, 2, None, outlook=ol(eta=eta, regime=regime)))
+        a = s.handle(Start(0.0, eta_given=given))
+        if queries:
+            assert a == [Query(5)] and s.state == State.QUERYING, (regime, eta, given)
+        else:
+            assert a == [Finish(Status.COST, 5, "cost")] and s.state == State.TERMINAL and s.prefix == 5
+    # no evidence about L3 yet: the query (and its probe) is how the estimate is learnt
+    s = Session(Params(Policy.COST_AWARE, 64, 5, 8, 2, None, outlook=ol(regime=SLOW, probe_blocks=4)))
+    assert s.handle(Start(0.0, eta_given=True)) == [Query(5)]
+    # other policies ignore it
+    w = Session(Params(Policy.WAIT_COMPLETE, 64, 5, 8, 2, None))
+    assert w.handle(Start(0.0, eta_given=True)) == [Query(5)]
 
 
 def test_machine_fast_l3_restores_everything_and_completes():

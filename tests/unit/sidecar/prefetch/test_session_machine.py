@@ -288,7 +288,7 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
                 assert a.prefix <= published_to
                 assert not ckpt or a.prefix % ckpt == 0
 
-    apply(s.handle(Start(now)))
+    apply(s.handle(Start(now, eta_given=rng.random() < 0.5)))  # (cost_aware may end at start)
     queried = False
     for _ in range(200):
         if s.state == State.TERMINAL:
