@@ -132,7 +132,7 @@ class KvSidecarHiCacheStorage(_Base):
         self._anon: dict[str, int] = {}
         self.counters = {"exists_calls": 0, "get_pages_ok": 0, "get_pages_missed": 0, "set_pages_ok": 0,
                          "set_pages_failed": 0, "degraded_calls": 0, "sessions_started": 0, "sessions_joined": 0,
-                         "demands": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
+                         "demands": 0, "demands_left_to_eta": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
                          "copies_refused": 0}
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -245,8 +245,17 @@ class KvSidecarHiCacheStorage(_Base):
         return self.sessions.get(str(rid), int(attempt or 0))
 
     def demand(self, rid: str, attempt: int = 0) -> None:
-        """SGLang's first readiness check of the request: it is a scheduling candidate now."""
+        """SGLang's first readiness check of the request: it is a scheduling candidate now.
+
+        Not for ``cost_aware`` driven by the plugin's ETA stream (``eta_source``): SGLang checks
+        every waiting request's prefetch at every iteration, so its first check comes one
+        iteration after queue entry wherever the request stands; taken as a demand (its ETA set
+        to *now*) it ended every plan to read behind the queue.  The ETA stream says when the
+        prefill can start (zero at the head of the queue: the same stop, at the right time)."""
         if not self.config.sessions.enabled:
+            return
+        if self.config.sessions.policy == "cost_aware" and self.eta_source is not None:
+            self._count("demands_left_to_eta")
             return
         key = (str(rid), int(attempt or 0))
         if not self.sessions.demand(*key):  # demanded already, or the query sends it when it runs

@@ -506,3 +506,43 @@ def test_pool_checkout_is_exclusive_and_reentrant(sidecar_factory, instance, tmp
     assert st["connections"] <= 3 and st["in_use"] == 0 and st["wait_timeouts"] == 0, st
     pool.close_all()
     wait_until(lambda: my_slots(instance) == 0, 5, "slots left after close_all")
+
+
+def test_cost_aware_is_not_demanded_at_sglangs_first_readiness_check(sidecar_factory, instance, tmp_path):
+    """SGLang checks every waiting request's prefetch at every iteration, so its first check
+    says nothing about when the request's prefill starts: with the plugin's ETA stream
+    (``eta_source``) a cost_aware backend sends no demand there (the session keeps the plan its
+    ETA allows); without one, and for the other policies, the check is a demand as before."""
+    from tests.helpers import wait_l3_idle
+
+    pool = filled_pool()
+    sidecar_factory(**overrides(pool, tmp_path, **{"l3.latency_ms": 50.0}))
+    keys = chains(1, "eta")[0]
+    seed = backend(instance, pool, sessions={"policy": "timeout"})
+    assert seed.batch_set_v1(keys, indices(range(CHAIN_PAGES))) == [True] * CHAIN_PAGES
+    with seed.connection() as c:
+        wait_l3_idle(c)
+        c.flush()  # the chain is in L3 only: every session has something to read
+    seed.close()
+    for rid, with_eta in (("eta", True), ("no-eta", False)):
+        b = backend(instance, pool, sessions={"policy": "cost_aware"})
+        if with_eta:
+            b.eta_source = lambda rid, attempt: (5.0, 0.05)  # far behind the queue, prefill dear
+        with b.bind(rid):
+            b.batch_exists(keys)
+        b.demand(rid)
+        with b.connection() as c:
+            events = c.client.call("poll", req=rid, events=True).get("events") or []
+        stops = [e for e in events if e[0] == "stop"]
+        if with_eta:
+            assert (b.counters["demands"], b.counters["demands_left_to_eta"]) == (0, 1)
+            assert not any(e[2] == "demand" for e in stops), events
+        else:
+            assert (b.counters["demands"], b.counters["demands_left_to_eta"]) == (1, 0)
+        b.end(rid)
+        with b.connection() as c:
+            wait_until(lambda: c.poll(rid)["state"] in ("terminal", "unknown"), 10, f"{rid}'s session ended")
+        b.close()
+    with KVConnector(instance, layout_for_host_pool(pool, "tiny-llama", False)) as c:
+        wait_until(lambda: c.stats(check=True)["pool"]["staging"] == 0, 10, "no staging left")
+        assert_clean(c.stats(check=True))
