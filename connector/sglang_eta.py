@@ -8,8 +8,13 @@ Invariants:
   state and hands the plan to a sender.
 * **Work ahead is deterministic**: a request's prefill starts once the scheduler has prefilled
   what is ahead of it -- the rest of ``chunked_req`` and the uncached tokens of every request
-  before it in ``waiting_queue`` (admission order).  SPMD ranks hold the same queue in the same
-  order, so every rank computes the same tokens ahead (checked in tests/sglang).
+  before it in ``waiting_queue`` (admission order).  A request that starts with the same
+  pages as one ahead of it (a shared system prompt whose first request is still queued)
+  computes only the rest: the radix cache holds that prefix by its turn
+  (:func:`shared_prefix`, taken once per request when first seen; counting it in full made the
+  ETA of every request behind it too long, and cost_aware then planned reads the request
+  waited for).  SPMD ranks hold the same queue in the same order, so every rank computes the
+  same tokens ahead (checked in tests/sglang).
 * **The rate is SGLang's**: ``total_prefill_busy_us / total_prefill_uncached_tokens`` (the
   scheduler's own cumulative prefill accounting), over its recent increments (:class:`PrefillRate`).  It is measured per rank (wall time), so it
   differs slightly between ranks; therefore **one rank sends** (the TP group's rank 0): the
@@ -49,6 +54,20 @@ class Ahead:
     rid: str
     attempt: int
     tokens_ahead: int  # tokens the scheduler prefills before this request's prefill starts
+
+
+def shared_prefix(ids: Sequence[int], others: Iterable[Sequence[int]], page: int) -> int:
+    """The leading tokens of ``ids``, in whole pages, that one of ``others`` starts with too."""
+    best = 0
+    for o in others:
+        n = min(len(ids), len(o)) // page
+        if n * page <= best:
+            continue
+        k = 0
+        while k < n and ids[k * page:(k + 1) * page] == o[k * page:(k + 1) * page]:
+            k += 1
+        best = max(best, k * page)
+    return best
 
 
 def work_ahead(chunked_remaining: int, waiting: Sequence[Queued]) -> list[Ahead]:
@@ -151,13 +170,14 @@ class EtaPlanner:
 
 
 # -- SGLang glue (reads the scheduler; never waits on the sidecar) -----------------------------------
-def queued_of(req) -> Queued:
-    """A waiting SGLang ``Req``: the tokens its prefill computes (beyond its device and host match)."""
+def queued_of(req, shared: int = 0) -> Queued:
+    """A waiting SGLang ``Req``: the tokens its prefill computes (beyond its device and host
+    match, and beyond the ``shared`` prefix a request ahead of it computes first)."""
     handle = getattr(req, "cache_request_handle", None)
     attempt = getattr(handle, "attempt_id", 0) if handle is not None else 0
     total = len(req.origin_input_ids) + len(getattr(req, "output_ids", ()))
     done = int(getattr(req, "prefix_len", 0) or 0) + int(getattr(req, "host_hit_length", 0) or 0)
-    return Queued(str(req.rid), int(attempt or 0), max(0, total - done))
+    return Queued(str(req.rid), int(attempt or 0), max(0, total - max(done, shared)))
 
 
 def chunked_remaining(scheduler) -> int:
@@ -193,6 +213,30 @@ class SchedulerEta:
         self.iteration = 0
         self.sent_log: collections.deque = collections.deque(maxlen=256)  # (rid, eta_s, state), newest last
         self.scheduler = None  # SGLang's Scheduler, bound by the BEFORE hook
+        self._shared: dict[str, int] = {}  # rid -> its prefix a request ahead computes first (when first seen)
+
+    # -- the queue as SGLang holds it ----------------------------------------------------------
+    def _queued(self, scheduler) -> list[Queued]:
+        """``waiting_queue`` in admission order, each request's tokens less the prefix it shares
+        with a request ahead of it (or the chunked one), taken the first time it is seen."""
+        chunked = getattr(scheduler, "chunked_req", None)
+        ahead = [chunked.origin_input_ids] if chunked is not None else []
+        out = []
+        for r in scheduler.waiting_queue:
+            rid = str(r.rid)
+            shared = self._shared.get(rid)
+            if shared is None:
+                if len(self._shared) >= 65536:
+                    self._shared.clear()  # bounded; a request seen again is measured again
+                shared = self._shared[rid] = shared_prefix(r.origin_input_ids, ahead, self.tokens_per_block)
+            out.append(queued_of(r, shared))
+            ahead.append(r.origin_input_ids)
+        return out
+
+    def _forget_shared(self, waiting: list[Queued]) -> None:
+        if len(self._shared) > 4 * max(16, len(waiting)):
+            keep = {q.rid for q in waiting}
+            self._shared = {r: v for r, v in self._shared.items() if r in keep}
 
     # -- scheduler thread ------------------------------------------------------------------------
     def on_iteration(self, scheduler) -> None:
@@ -200,7 +244,9 @@ class SchedulerEta:
         self.iteration += 1
         self.rate.observe(int(getattr(scheduler, "total_prefill_busy_us", 0) or 0),
                           int(getattr(scheduler, "total_prefill_uncached_tokens", 0) or 0))
-        ahead = work_ahead(chunked_remaining(scheduler), [queued_of(r) for r in scheduler.waiting_queue])
+        waiting = self._queued(scheduler)
+        self._forget_shared(waiting)
+        ahead = work_ahead(chunked_remaining(scheduler), waiting)
         if self.history is not None and ahead:
             self.history.append((self.iteration, tuple((a.rid, a.tokens_ahead) for a in ahead)))
         if not self.is_sender:
@@ -216,7 +262,7 @@ class SchedulerEta:
         ``waiting_queue``): (ETA in seconds, prefill seconds per block) for its prefetch."""
         if scheduler is None:
             return None, None
-        tokens = chunked_remaining(scheduler) + sum(queued_of(r).tokens for r in scheduler.waiting_queue)
+        tokens = chunked_remaining(scheduler) + sum(q.tokens for q in self._queued(scheduler))
         s = self.rate.s_per_token
         if s is None:
             return None, None

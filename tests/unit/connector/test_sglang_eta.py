@@ -8,13 +8,40 @@ import types
 import pytest
 
 from kvsidecar.connector.sglang_eta import (Ahead, EtaPlanner, PrefillRate, Queued, SchedulerEta, material,
-                                            work_ahead)
+                                            shared_prefix, work_ahead)
 
 
 def test_work_ahead_in_admission_order_after_the_chunked_request():
     q = [Queued("a", 0, 100), Queued("b", 1, 0), Queued("c", 0, 50), Queued("d", 0, -3)]
     assert work_ahead(30, q) == [Ahead("a", 0, 30), Ahead("b", 1, 130), Ahead("c", 0, 130), Ahead("d", 0, 180)]
     assert work_ahead(0, []) == []
+
+
+def test_shared_prefix_is_whole_pages_any_request_ahead_starts_with():
+    sys_prompt = list(range(100, 164))  # 64 tokens: 4 pages of 16
+    a = sys_prompt + [1] * 20
+    b = sys_prompt[:40] + [2] * 30  # shares 2 whole pages (and 8 tokens of a third)
+    assert shared_prefix(a, [], 16) == 0
+    assert shared_prefix(a, [b], 16) == 32
+    assert shared_prefix(a, [b, sys_prompt + [1] * 16 + [9]], 16) == 80  # the longest, whole pages only
+    assert shared_prefix([5] * 64, [a, b], 16) == 0
+
+
+def test_a_request_sharing_a_prefix_with_one_ahead_counts_only_the_rest():
+    """The ETA's work ahead: a request starting with the pages of one queued before it (or the
+    chunked one) computes only the rest -- the radix cache holds that prefix by its turn."""
+    sysp = list(range(1000, 1064))  # 4 pages of 16
+    sched = _scheduler([("a", 0, 0, sysp + [1] * 16), ("b", 0, 0, sysp + [2] * 16), ("c", 0, 16, sysp[:16] + [3] * 48),
+                        ("d", 0, 0, [4] * 80)], chunked=("x", 0, 0, sysp[:32] + [5] * 8))
+    eta = SchedulerEta(16, sender=False, send=lambda b: [], tracked=lambda r, a: True, history=4)
+    eta.on_iteration(sched)
+    # chunked x: 40 tokens, none computed; a shares 32 with x, b shares 64 with a, c shares 16
+    # (which its own device match already covers), d shares nothing
+    assert eta.history[-1][1] == (("a", 40), ("b", 40 + 48), ("c", 40 + 48 + 16), ("d", 40 + 48 + 16 + 48))
+    got, _ = eta.at_queue_entry(sched, "e", 0)
+    assert got is None  # (no prefill rate yet)
+    eta.rate.s_per_token = 1e-3
+    assert eta.at_queue_entry(sched, "e", 0)[0] == pytest.approx((40 + 48 + 16 + 48 + 80) * 1e-3)
 
 
 def test_prefill_rate_is_sglangs_recent_ratio_and_the_warm_up_ages_out():
@@ -52,8 +79,9 @@ def test_planner_sends_only_material_moves_and_counts_the_last_eta_down():
 
 
 def _scheduler(queue, busy_us=0, tokens=0, chunked=None):
-    def req(rid, n, prefix=0):
-        return types.SimpleNamespace(rid=rid, origin_input_ids=[0] * n, output_ids=[], prefix_len=prefix,
+    def req(rid, n, prefix=0, ids=None):
+        ids = ids if ids is not None else [ord(rid[0])] * n  # (distinct requests share no page)
+        return types.SimpleNamespace(rid=rid, origin_input_ids=ids, output_ids=[], prefix_len=prefix,
                                      host_hit_length=0, cache_request_handle=types.SimpleNamespace(attempt_id=0))
     return types.SimpleNamespace(waiting_queue=[req(*q) for q in queue], total_prefill_busy_us=busy_us,
                                  total_prefill_uncached_tokens=tokens,
