@@ -118,6 +118,26 @@ def rows(trials: list, speeds: list) -> list:
     return out
 
 
+def paired(trials: list, mbps: float) -> dict:
+    """Per quantile: cost_aware's ratio to min(no_prefetch, whole_task) **within each trial**
+    (the same workload, minutes apart), median [min..max] over trials.  The machine's speed
+    drifts between trials (no_prefetch's p50 on one workload: 440 and 1,051 ms in two runs), so
+    a ratio of medians over trials mixes that drift in; this pairs what was measured together.
+    Empty without the three arms."""
+    key = f"{mbps:g}"
+    out = {}
+    for q in ("ttft_p50_ms", "ttft_p90_ms"):
+        ratios = []
+        for t in trials:
+            ca, nop, wt = t.get(f"cost_aware@{key}"), t.get("no_prefetch"), t.get(f"whole_task@{key}")
+            if ca and nop and wt:
+                ratios.append(ca[q] / max(1e-9, min(nop[q], wt[q])))
+        if ratios:
+            out[q] = {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+                      "max": round(max(ratios), 3), "n": len(ratios)}
+    return out
+
+
 def verdicts(row: dict, slack: float = 1.05) -> dict:
     """cost_aware <= slack x min(no_prefetch, whole_task), at p50 and p90 (met or missed)."""
     arms = row["arms"]
@@ -403,6 +423,7 @@ def main(argv=None) -> int:
            "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests}
     for row in doc["rows"]:
         row["verdict"] = verdicts(row)
+        row["paired"] = paired(results, row["l3"]["bandwidth_mbps"])
     write_json(a.json, doc, indent=1)
     print_table(doc)
     return 0
@@ -417,6 +438,9 @@ def print_table(doc: dict) -> None:
                   f"storage tok {fmt(t['storage_tokens_mean'], 0):>18s}  match {t['outputs_match_cold']}")
         for q, v in row.get("verdict", {}).items():
             print(f"  cost_aware {q}: {v['cost_aware']} vs 1.05 x min = {v['bound']}: {'met' if v['met'] else 'MISSED'}")
+        for q, v in row.get("paired", {}).items():
+            print(f"  cost_aware {q} / min(no_prefetch, whole_task), paired within each trial: "
+                  f"{v['median']:.3f} [{v['min']:.3f}..{v['max']:.3f}] (n={v['n']})")
     print("hit probe (median over probes and trials): cold / hit TTFT ms")
     for key, v in doc["probe"].items():
         print(f"  {key:18s} cold {v['cold_p50_ms']:8.1f}  hit {v['hit_p50_ms']:8.1f}  x{v['hit_over_cold']:.2f}  "

@@ -3,7 +3,7 @@ minutes: ``.sglang-venv/bin/python -m scripts.sglang_ttft --quick --json FILE``)
 
 import pytest
 
-from scripts.sglang_ttft import ARMS, make_workload, percentile, rows, summarize, verdicts
+from scripts.sglang_ttft import ARMS, make_workload, paired, percentile, rows, summarize, verdicts
 
 
 def test_workload_shares_prefixes_and_arrives_in_order():
@@ -51,6 +51,15 @@ def test_rows_aggregate_trials_and_judge_cost_aware():
     assert v["ttft_p50_ms"]["met"] and v["ttft_p90_ms"]["met"]
     v = verdicts(slow)
     assert not v["ttft_p50_ms"]["met"] and v["ttft_p50_ms"]["bound"] == pytest.approx(84.0)
+
+
+def test_paired_ratios_compare_arms_within_each_trial():
+    """A slow trial (every arm 3x) moves the ratio of medians; the paired ratio does not."""
+    trials = [_trial(1.0), _trial(3.0), _trial(1.0)]
+    p = paired(trials, 80)
+    assert p["ttft_p50_ms"] == {"median": pytest.approx(1.5), "min": pytest.approx(1.5), "max": pytest.approx(1.5), "n": 3}
+    assert paired(trials, 2000)["ttft_p90_ms"]["median"] == pytest.approx(83 / 80, abs=1e-3)
+    assert paired([{"no_prefetch": trials[0]["no_prefetch"]}], 80) == {}
 
 
 def test_timeline_breakdown_splits_ttft_into_phases():
