@@ -31,9 +31,10 @@ Guarantees (checked by the property tests):
   (``Demand`` is a re-plan with the ETA at *now*, not a seal); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
   worth reading.  ``budget_s`` (the deadline) is an optional cap, as for ``timeout``.
-  Started with the engine's ETA (``Start.eta_given``) it sends no L3 query when even the
-  best case (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`) cannot pay: it is
-  terminal from the start (``CREATED → TERMINAL``), holding the resident prefix.
+  Started with the engine's ETA (``Start.eta_given``) and a measured L3 estimate it sends no
+  L3 query when even the best case (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`)
+  cannot pay: it is terminal from the start (``CREATED → TERMINAL``), holding the resident
+  prefix.
 """
 
 from __future__ import annotations
@@ -427,8 +428,11 @@ class Session:
         if self.p.resident >= self.p.total:
             self.state = State.RUNNING
             return self._maybe_finish()
-        if self.p.policy == Policy.COST_AWARE and e.eta_given and not cost.worth_querying(
-                self.outlook, e.now, self.p.total - self.p.resident, self.p.chunk_max_blocks):
+        if (self.p.policy == Policy.COST_AWARE and e.eta_given and not self.outlook.unmeasured
+                and not cost.worth_querying(self.outlook, e.now, self.p.total - self.p.resident,
+                                            self.p.chunk_max_blocks)):
+            # (unmeasured: another session's probe is out and lands before this query answers;
+            # its estimate decides then — ending now would restore nothing until the next request)
             self.state = State.RUNNING  # (no query out: it ends now, holding only what is resident)
             self._seal(Status.COST, "cost")
             return self._maybe_finish()

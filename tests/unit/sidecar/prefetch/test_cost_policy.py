@@ -164,8 +164,12 @@ def test_machine_an_engine_eta_that_leaves_nothing_to_gain_sends_no_query():
             assert a == [Query(5)] and s.state == State.QUERYING, (regime, eta, given)
         else:
             assert a == [Finish(Status.COST, 5, "cost")] and s.state == State.TERMINAL and s.prefix == 5
-    # no evidence about L3 yet: the query (and its probe) is how the estimate is learnt
+    # no evidence about L3 yet: the query (and its probe) is how the estimate is learnt; and
+    # while another session's probe is out (unmeasured, no probe of its own) the estimate that
+    # probe brings decides, when this query answers -- not the prior, now
     s = Session(Params(Policy.COST_AWARE, 64, 5, 8, 2, None, outlook=ol(regime=SLOW, probe_blocks=4)))
+    assert s.handle(Start(0.0, eta_given=True)) == [Query(5)]
+    s = Session(Params(Policy.COST_AWARE, 64, 5, 8, 2, None, outlook=ol(regime=FAST, unmeasured=True)))
     assert s.handle(Start(0.0, eta_given=True)) == [Query(5)]
     # other policies ignore it
     w = Session(Params(Policy.WAIT_COMPLETE, 64, 5, 8, 2, None))
