@@ -244,6 +244,12 @@ class KvSidecarHiCacheStorage(_Base):
     def session(self, rid: str, attempt: int = 0) -> SessionRef | None:
         return self.sessions.get(str(rid), int(attempt or 0))
 
+    def resident(self, rid: str, attempt: int = 0) -> bool:
+        """The hit this rank's query reported for the request was resident in the sidecar's pool
+        when it answered (SGLang's copy of it is then a memcpy; :mod:`kvsidecar.connector.sglang_settle`)."""
+        ref = self.session(rid, attempt)
+        return ref is not None and ref.resident
+
     def demand(self, rid: str, attempt: int = 0) -> None:
         """SGLang's first readiness check of the request: it is a scheduling candidate now.
 
@@ -329,12 +335,16 @@ class KvSidecarHiCacheStorage(_Base):
                 trace(rid, "prefetch", t0, t1)
                 trace(rid, "query_wait", t1, time.perf_counter())
             if view["state"] == "terminal":
+                ref.resident = True
                 return view["prefix"]
             if view["state"] in ("created", "querying", "unknown"):
+                ref.resident = True
                 return view.get("published", 0)  # L3 did not answer in time: the resident prefix only
             # what the policy means to restore: SGLang fetches (and waits on its one I/O thread for)
             # exactly the hit it is told, so cost_aware's plan, not the whole L3 hit
-            return view.get("planned", view["target"])
+            hit = view.get("planned", view["target"])
+            ref.resident = view.get("published", 0) >= hit
+            return hit
 
         hit = self._call(run, None)
         if hit is None:  # no sidecar: nothing to track

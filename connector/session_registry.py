@@ -35,6 +35,7 @@ class SessionRef:
     positions: dict  # host page key -> position in ``chain``
     demanded: bool = False  # the scheduler saw the request as a candidate
     ended: bool = False  # the scheduler is done with it (consumed, terminated, aborted)
+    resident: bool = False  # the hit the query reported was resident in the pool when it answered
 
 
 DEMAND, ABORT = "demand", "abort"

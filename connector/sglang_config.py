@@ -38,6 +38,9 @@ class SessionConfig:
     budget_s: float | None = None  # timeout policy: None = the sidecar's min(max, base + per_ki_token x tokens)
     query_wait_s: float = 2.0  # batch_exists waits at most this for the L3 metadata answer (no data)
     get_wait_s: float = 30.0  # batch_get_v1 waits at most this for the session's published prefix
+    # the scheduler waits at most this per iteration for storage queries just sent and for the copy
+    # of hits resident in the pool, so they are admitted in that iteration (0: off; sglang_settle)
+    settle_wait_s: float = 0.02
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -48,6 +51,8 @@ class SessionConfig:
             raise PluginConfigError("sessions.budget_s must be > 0")
         if self.query_wait_s <= 0 or self.get_wait_s <= 0:
             raise PluginConfigError("sessions.query_wait_s and sessions.get_wait_s must be > 0")
+        if not 0 <= self.settle_wait_s <= 1.0:
+            raise PluginConfigError("sessions.settle_wait_s must be within [0, 1] seconds")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ point ``kvsidecar = kvsidecar.connector.sglang_plugin:load`` (installed with kvs
                                                             or stopped) + group ``get`` (hands
                                                             the prefetch lease over) + copy
    first ``check_prefetch_progress``                        ``demand``
-   ``check_prefetch_progress`` done                         ``abort`` (clean-up: drops what
-                                                            the session still holds)
+   ``check_prefetch_progress`` done, or the request's       ``abort`` (clean-up: drops what
+   prefetch finished by ``check_hicache_events``'s drain    the session still holds)
    ``release_aborted_request`` (incl. terminate)            ``abort``
    ``revoke_pending_prefetch``                              ``abort``
    backup thread ``batch_set_v1``                           group ``store`` + ``commit``
@@ -42,7 +42,13 @@ the cache checks that the storage backend is kvsidecar's and both hooks are appl
 it.  Without the plugin the storage backend still works alone (degraded: sessions without
 demand or abort, stopped by kvsidecar's deadline).
 
-3. **ETA for cost_aware** (:mod:`kvsidecar.connector.sglang_eta`): a BEFORE hook on
+3. **A hit admitted in the iteration that sent its query** (:mod:`kvsidecar.connector.sglang_settle`):
+   after SGLang's per-iteration drain (``check_hicache_events``) the cache waits, bounded by
+   ``sessions.settle_wait_s``, for the queries just sent and the copies of hits resident in the
+   pool, and drains again, identically on every rank.  Without it every storage hit waited two
+   scheduler iterations (forward passes, under load) for SGLang's thread hand-offs.
+
+4. **ETA for cost_aware** (:mod:`kvsidecar.connector.sglang_eta`): a BEFORE hook on
    ``Scheduler.get_new_batch_prefill`` (every iteration, every rank) computes each queued
    request's ETA from SGLang's ``waiting_queue`` (admission order), ``chunked_req`` and its
    cumulative ``total_prefill_busy_us / total_prefill_uncached_tokens``; the cache's
@@ -62,6 +68,7 @@ import time
 
 from .hicache_backend import KvSidecarHiCacheStorage
 from .sglang_eta import SchedulerEta
+from .sglang_settle import HitSettler
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +161,25 @@ def radix_cache_class():
             self._kvs = activate(self.cache_controller, self.prefetch_stop_policy)
             self._kvs_demanded: set = set()
             self._kvs_eta = eta_for(self._kvs)
+            self._kvs_settle = settler_for(self, self._kvs)
+
+        def check_hicache_events(self) -> None:
+            """SGLang's per-iteration drain of the storage queues, then (:mod:`.sglang_settle`) the
+            same iteration's queries and resident hits brought in; a request whose prefetch the
+            drains finished (its pages joined the tree, it left ``ongoing_prefetch`` without
+            passing ``check_prefetch_progress``) has its session ended here."""
+            kvs = self._kvs
+            before = list(self.ongoing_prefetch) if kvs is not None else ()
+            super().check_hicache_events()
+            if self._kvs_settle is not None:
+                self._kvs_settle.settle(self)
+            for request in before:
+                if request not in self.ongoing_prefetch:
+                    self._kvs_demanded.discard(request)
+                    t0 = time.perf_counter()
+                    kvs.end(request.rid, request.attempt_id)
+                    if kvs.trace is not None:
+                        kvs.trace(request.rid, "end", t0, time.perf_counter())
 
         def prefetch_from_storage(self, request, *args, **kwargs):
             eta = self._kvs_eta
@@ -197,6 +223,20 @@ def radix_cache_class():
                 self._kvs.end(request.rid, request.attempt_id)
 
     return KvSidecarRadixCache
+
+
+def settler_for(cache, backend: KvSidecarHiCacheStorage | None) -> HitSettler | None:
+    """The cache's :class:`HitSettler`, or None: off in the config, no sessions, or a set-up whose
+    drains are not the plain TP-synchronised ones it was measured with (pipeline parallel, SGLang's
+    buffer-only host memory, an external cache linker)."""
+    if backend is None or not backend.config.sessions.enabled or backend.config.sessions.settle_wait_s <= 0:
+        return None
+    if (getattr(cache, "pp_size", 1) > 1 or getattr(cache, "buffer_pipeline", None) is not None
+            or getattr(cache, "linker", None) is not None):
+        log.info("kvsidecar plugin: hit settling off (pipeline parallel, buffer-only host memory or a cache linker)")
+        return None
+    return HitSettler(backend.config.sessions.settle_wait_s,
+                      lambda request: backend.resident(request.rid, request.attempt_id), trace=backend.trace)
 
 
 def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:

@@ -17,7 +17,10 @@ line per storage phase, same clock), and splits each request's TTFT into:
 * ``after``: transfer done -> first token at the client (SGLang's readiness check, host->device
   load-back, prefill of what was not restored, first decode step, streaming);
 * on SGLang's scheduler thread (inside the phases above): ``demand`` and ``end`` (the plugin's
-  sidecar round trips at the first and the last ``check_prefetch_progress``).
+  sidecar round trips at the first ``check_prefetch_progress`` and when the prefetch is over),
+  ``settle_query`` / ``settle_copy`` (the settler's bounded waits, :mod:`kvsidecar.connector.sglang_settle`),
+  and ``checks``: how many ``check_prefetch_progress`` calls found the request's prefetch still open
+  (0: admitted in the iteration that first saw it).
 
 Pure parsing (:func:`parse_log`, :func:`breakdown`) is separate from the file handling.
 """
@@ -35,7 +38,8 @@ from pathlib import Path
 from scripts.common import write_json
 
 LINE = re.compile(r"kvsidecar-timeline (\{.*\})")
-INNER = ("prefetch", "query_wait", "get_wait", "get", "verify", "copy", "release", "demand", "check_progress", "end")
+INNER = ("prefetch", "query_wait", "get_wait", "get", "verify", "copy", "release", "demand", "check_progress", "end",
+         "settle_query", "settle_copy")
 
 
 def parse_log(lines, rank: int = 0) -> dict:
@@ -72,7 +76,9 @@ def breakdown(sent_at: float, ttft_s: float, phases: dict) -> dict | None:
         out["after"] = first - q1
     for name in INNER:
         out[name] = sum(b - a for a, b in phases.get(name, ()))
-    return {k: round(v * 1e3, 2) for k, v in out.items()}
+    res = {k: round(v * 1e3, 2) for k, v in out.items()}
+    res["checks"] = len(phases.get("check_progress", ()))
+    return res
 
 
 def median_breakdown(rows: list) -> dict:
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     res = analyse(json.loads(Path(a.json).read_text()), a.rank)
     cols = ("ttft", "to_query", "query", "prefetch", "query_wait", "to_transfer", "transfer", "get_wait", "get",
-            "verify", "copy", "after", "demand", "end", "n")
+            "verify", "copy", "after", "demand", "end", "settle_query", "settle_copy", "checks", "n")
     print(f"{'arm':18s} {'kind':10s} " + " ".join(f"{c:>10s}" for c in cols))
     for key, kinds in sorted(res.items()):
         for kind, b in sorted(kinds.items()):

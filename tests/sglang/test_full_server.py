@@ -61,7 +61,7 @@ def sidecar_overrides(tmp_path, **extra) -> dict:
     return d
 
 
-def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
+def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeline: bool = False):
     """The sidecar and ``sglang.launch_server --device cpu`` (TP=2, HiCache, kvsidecar storage,
     SGLang's ``wait_complete``); with ``plugin`` the kvsidecar radix cache (``--radix-cache-backend
     kvsidecar``); without it SGLang does not load the plugin (``SGLANG_PLUGINS``) and kvsidecar runs
@@ -70,7 +70,7 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool):
     port = free_port()
     plugin_cfg = tmp_path / "kvsidecar-sglang.toml"
     plugin_cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.2\n'
-                          'verify_loads = "all"\n'
+                          f'verify_loads = "all"\ntimeline = {"true" if timeline else "false"}\n'
                           f'[sessions]\nenabled = {"true" if plugin else "false"}\npolicy = "timeout"\n'
                           'chunk_max_blocks = 2\nget_wait_s = 20.0\n')
     env = dict(os.environ, PYTHONPATH=f"{HERE / 'server_standins'}:{ROOT}", SGLANG_USE_CPU_ENGINE="1",
@@ -146,8 +146,8 @@ def stop_server(proc, log, sc, instance) -> None:
 def server_factory(instance, tmp_path):
     started = []
 
-    def start(sidecar_over: dict, plugin: bool):
-        s = start_server(instance, tmp_path, sidecar_over, plugin=plugin)
+    def start(sidecar_over: dict, plugin: bool, timeline: bool = False):
+        s = start_server(instance, tmp_path, sidecar_over, plugin=plugin, timeline=timeline)
         started.append(s)
         return s
 
@@ -309,3 +309,44 @@ def test_full_server_plugin_disabled_starts_no_session(server_factory, instance,
         c.close()
     print(f"\nfull-server, plugin disabled: startup {srv.startup_s:.1f} s, storage {storage_tokens(meta)} tokens, "
           f"no session started")
+
+
+def test_full_server_pool_hit_is_admitted_in_the_iteration_of_its_query(server_factory, instance, tmp_path):
+    """A prompt again after SGLang's ``/flush_cache`` is a hit resident in kvsidecar's pool.  The
+    settler (``connector/sglang_settle.py``) brings its query answer and its copy in within the
+    scheduler iteration that sent the query, so no ``check_prefetch_progress`` ever finds it still
+    prefetching (before it, three or four did); every request's session is ended on both ranks
+    (before, a hit finished by SGLang's drain was never ended: the rank's session table grew)."""
+    import random
+
+    from scripts.sglang_timeline import parse_log
+
+    over = sidecar_overrides(tmp_path)
+    srv = server_factory(over, plugin=True, timeline=True)
+    port = srv.port
+    rng = random.Random(7)
+    ids = [rng.randrange(3, 500) for _ in range(640)]
+    first, meta = generate(port, ids, rid="cold-1")
+    assert storage_tokens(meta) == 0
+    wait_published(instance, len(ids) // PAGE, 120, "the prompt's write-through")
+    hits = [f"hit-{j}" for j in range(3)]
+    for rid in hits:
+        flush(port)
+        out, meta = generate(port, ids, rid=rid)
+        assert out == first
+        assert storage_tokens(meta) >= (len(ids) // PAGE - 1) * PAGE, meta
+    c = probe(instance, over)
+    try:
+        wait_until(lambda: (lambda s: s if s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0 else None)(c.stats()),
+                   30, "leases or pins left after the hits")
+    finally:
+        c.close()
+    text = srv.log_path.read_text(errors="replace").splitlines()
+    for rank in range(TP):
+        phases = parse_log(text, rank)
+        for rid in hits:
+            p = phases.get(rid, {})
+            assert p.get("page_transfer") and p.get("settle_copy"), (rank, rid, sorted(p))
+            assert not p.get("check_progress"), (rank, rid, p.get("check_progress"))  # ready before its first check
+            assert len(p.get("end", ())) >= 1, (rank, rid, sorted(p))
+        assert phases.get("cold-1", {}).get("end"), (rank, sorted(phases.get("cold-1", {})))

@@ -28,6 +28,8 @@ def test_defaults_file_and_inline_keys_merge(tmp_path):
     ('[sessions]\nbudget_s = -1.0\n', "budget_s"),
     ('populate = "eager"\n', "populate"),
     ('[sessions\n', "cannot read"),
+    ('[sessions]\nsettle_wait_s = -0.1\n', "settle_wait_s"),
+    ('[sessions]\nsettle_wait_s = 5\n', "settle_wait_s"),
 ])
 def test_bad_config_is_a_typed_error_naming_the_key(tmp_path, text, match):
     f = tmp_path / "bad.toml"
@@ -43,3 +45,10 @@ def test_missing_file_and_bad_inline_values(tmp_path):
         load_plugin_config({"timeout_s": "2"})
     with pytest.raises(PluginConfigError, match="sessions must be a table"):
         load_plugin_config({"sessions": "timeout"})
+
+
+def test_settling_is_on_by_default_and_can_be_turned_off(tmp_path):
+    assert SessionConfig().settle_wait_s == 0.02
+    f = tmp_path / "off.toml"
+    f.write_text("[sessions]\nsettle_wait_s = 0\n")
+    assert load_plugin_config({"config_file": str(f)}).sessions.settle_wait_s == 0.0

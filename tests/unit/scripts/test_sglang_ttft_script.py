@@ -80,5 +80,5 @@ def test_timeline_breakdown_splits_ttft_into_phases():
                  "to_transfer": pytest.approx(10.0), "transfer": pytest.approx(15.0), "after": pytest.approx(55.0),
                  "prefetch": pytest.approx(2.0), "query_wait": pytest.approx(3.0), "get_wait": pytest.approx(1.0),
                  "get": 0.0, "verify": 0.0, "copy": pytest.approx(8.0), "release": 0.0, "demand": 0.0,
-                 "check_progress": 0.0, "end": 0.0}
+                 "check_progress": 0.0, "end": 0.0, "settle_query": 0.0, "settle_copy": 0.0, "checks": 0}
     assert breakdown(10.0, 0.1, {}) is None
