@@ -7,6 +7,12 @@ the ``cost_aware`` policy restores only what it can hide behind the queue.  Read
 size cannot separate latency from bandwidth; the prior then keeps the latency and the data
 sets the per-block cost, which is exact for that size.
 
+Until the first read is measured, the tier's own writes are the evidence: the write-behind
+puts every prefilled block through the same link, so their measured cost (fitted the same way,
+:meth:`ReadCostModel.observe_write`) replaces the configured prior — a guess that was 40x off at
+2 Mbit/s — and ``cost_aware`` plans on it from the first request after a start instead of
+losing that request to a probe.  Writes stop counting at the first read: reads decide.
+
 Two reads in a row more than ``CHANGE`` off their prediction the same way mark a change of
 regime: the long memory restarts from those two reads (otherwise, with reads of mixed sizes, it
 fits one line through both regimes and a bandwidth change shows up as latency).
@@ -25,7 +31,13 @@ CHANGE = 0.5  # a read off its prediction by more than this share, twice in a ro
 class ReadEstimate:
     latency_s: float
     s_per_block: float
-    samples: int  # reads observed (0: the prior alone)
+    samples: int  # reads observed (0: the prior, or the writes, alone)
+    write_samples: int = 0  # writes observed while no read was (their fit is the estimate until one is)
+
+    @property
+    def measured(self) -> bool:
+        """Backed by evidence from this tier (reads, or before any read, writes), not the prior."""
+        return self.samples > 0 or self.write_samples > 0
 
     def seconds(self, blocks: int) -> float:
         return self.latency_s + blocks * self.s_per_block
@@ -47,6 +59,7 @@ class ReadCostModel:
         self._latency, self._per_block = prior_latency_s, prior_s_per_block
         self._err_num = self._err_den = 0.0
         self._surprise: tuple | None = None  # (blocks, seconds, signed error) of a read far off its prediction
+        self._writes: ReadCostModel | None = None  # the fit of the writes, while no read is measured
 
     @property
     def error(self) -> float:
@@ -54,7 +67,20 @@ class ReadCostModel:
         return self._err_num / self._err_den if self._err_den else 0.0
 
     def estimate(self) -> ReadEstimate:
+        if self.samples == 0 and self._writes is not None:
+            w = self._writes
+            return ReadEstimate(w._latency, w._per_block, 0, w.samples)
         return ReadEstimate(self._latency, self._per_block, self.samples)
+
+    def observe_write(self, blocks: int, seconds: float) -> None:
+        """One write of ``blocks`` blocks that took ``seconds``: the estimate while no read has
+        been measured (ignored once one has)."""
+        if self.samples or blocks <= 0 or not seconds >= 0 or seconds == float("inf"):
+            return
+        if self._writes is None:
+            self._writes = ReadCostModel(*self.prior, forget=self.forget, latency_forget=self.latency_forget,
+                                         prior_weight=self.prior_weight)
+        self._writes.observe(blocks, seconds)
 
     def observe(self, blocks: int, seconds: float) -> None:
         """One read of ``blocks`` blocks that took ``seconds`` (all blocks landed)."""

@@ -199,15 +199,22 @@ class L3Tier:
         sums = self.sums
         tails = sums.row_addresses(unpack_ids(blocks)) if sums is not None else None
 
-        def finish(ok, error):
-            if error is not None or ok is None:
+        def work():
+            t0 = time.monotonic()
+            ok = self.backend.write(keys, addrs, size, tails, sums.row_bytes if sums else 0)
+            return ok, time.monotonic() - t0
+
+        def finish(result, error):
+            ok, seconds = result if error is None and result is not None else (None, 0.0)
+            if ok is None:
                 ok = [False] * n
             self.counters["put_blocks_ok"] += sum(ok)
             self.counters["put_blocks_failed"] += n - sum(ok)
+            if n and all(ok):
+                self.cost.observe_write(n, seconds)  # the read estimate until a read is measured
             done(ok)
 
-        self.writer.submit(lambda: self.backend.write(keys, addrs, size, tails, sums.row_bytes if sums else 0),
-                           finish)
+        self.writer.submit(work, finish)
 
     def stats(self) -> dict:
         return self.snapshot().stats()["l3"]
@@ -222,7 +229,7 @@ class L3Tier:
         return L3Snapshot(
             block_bytes=self.block_bytes, counters=dict(self.counters), backend=self.backend.stats(),
             read_s_per_block=self.read_s_per_block,
-            cost=CostSnapshot(est.latency_s, est.s_per_block, est.samples, self.cost.error),
+            cost=CostSnapshot(est.latency_s, est.s_per_block, est.samples, self.cost.error, est.write_samples),
             lanes={"meta": self.meta.stats(), "read": self.reader.stats(), "write": self.writer.stats(),
                    "pool_populate": landing},
             puts_in_flight=puts_in_flight, put_backlog_blocks=put_backlog_blocks, loads_in_flight=loads_in_flight)

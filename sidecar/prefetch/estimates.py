@@ -22,7 +22,7 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg) -> Outlook |
         return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=cfg.load_s_per_block)
     look = tier.read_outlook(read_priority(rec.demanded, rec.id))
     est = look.estimate
-    probe = cfg.probe_blocks if est.samples == 0 and look.backlog_s == 0 else 0
+    probe = cfg.probe_blocks if not est.measured and look.backlog_s == 0 else 0
     s_per_block = pessimistic(est.s_per_block, tier)
     backlog = look.backlog_s
     if s_per_block >= rec.prefill_s_per_block - cfg.load_s_per_block and not rec.demanded:
@@ -32,7 +32,7 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg) -> Outlook |
         # behind all of them, or a busy lane pushes the reads past the ETA and the request waits
         backlog = max(backlog, tier.read_outlook(ALL_QUEUED).backlog_s)
     return Outlook(eta, rec.prefill_s_per_block, est.latency_s, s_per_block,
-                   backlog, cfg.load_s_per_block, probe, tier.query_s, unmeasured=est.samples == 0)
+                   backlog, cfg.load_s_per_block, probe, tier.query_s, unmeasured=not est.measured)
 
 
 ALL_QUEUED = 1 << 62  # a read priority behind every queued read (see read_priority)

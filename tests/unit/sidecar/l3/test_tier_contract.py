@@ -266,3 +266,28 @@ def test_read_outlook_counts_the_work_ahead_and_never_more_for_a_sooner_priority
     assert 0.0 <= h.tier.read_outlook(DEMANDED).backlog_s <= behind
     h.settle(lambda: len(got.calls) == 2)
     assert h.tier.read_outlook(QUEUED + 5).backlog_s == 0.0  # nothing left ahead
+
+
+def test_real_tier_estimate_rests_on_its_writes_until_a_read_is_measured(tmp_path):
+    """The write-behind's measured puts are the read estimate of a tier no read has measured
+    (``write_samples``); the first read replaces them."""
+    h = RealHarness(tmp_path, [])
+    try:
+        assert not h.tier.read_outlook(QUEUED).estimate.measured
+        k = [key(f"w{i}") for i in range(4)]
+        for i, kk in enumerate(k):
+            h.pool[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES] = data_of(kk)
+        stored = []
+        h.tier.store(NS, b"".join(k), pack_ids([0, 1, 2, 3]), stored.append)
+        h.settle(lambda: len(stored) == 1)
+        assert stored == [[True] * 4]
+        e = h.tier.read_outlook(QUEUED).estimate
+        assert e.measured and e.samples == 0 and e.write_samples == 1
+        assert h.tier.snapshot().stats()["l3"]["cost"]["write_samples"] == 1
+        got = Answers()
+        h.tier.load(NS, b"".join(k[:2]), pack_ids([8, 9]), got, priority=QUEUED)
+        h.settle(lambda: len(got.calls) == 1)
+        e = h.tier.read_outlook(QUEUED).estimate
+        assert e.samples == 1 and e.write_samples == 0
+    finally:
+        h.close()

@@ -301,6 +301,28 @@ def test_estimator_learns_latency_and_bandwidth_from_mixed_sizes():
     assert m.error < 0.5
 
 
+def test_estimator_rests_on_writes_until_the_first_read():
+    """Before any read the tier's own writes (the write-behind, over the same link) are the
+    estimate, fitted the same way; the first read takes over and writes count no more."""
+    m = ReadCostModel(0.005, 0.01)  # a prior 20x slow per block
+    assert not m.estimate().measured
+    for k in [8, 32, 8, 32, 16]:
+        m.observe_write(k, 0.002 + k * 0.0005)
+    e = m.estimate()
+    assert e.measured and e.samples == 0 and e.write_samples == 5
+    assert e.seconds(32) == pytest.approx(0.002 + 32 * 0.0005, rel=0.15)
+    m.observe(16, 0.001 + 16 * 0.002)  # reads are 4x slower than the writes said: reads decide
+    e = m.estimate()
+    assert e.samples == 1 and e.write_samples == 0 and e.s_per_block == pytest.approx(0.002, rel=0.3)
+    m.observe_write(16, 16 * 0.0001)  # ignored now
+    assert m.estimate() == e
+    m.observe_write(0, 1.0)  # and nonsense is ignored before a read too
+    m2 = ReadCostModel(0.005, 0.01)
+    m2.observe_write(0, 1.0)
+    m2.observe_write(4, float("inf"))
+    assert not m2.estimate().measured
+
+
 def test_estimator_follows_a_four_times_bandwidth_drop_within_three_reads():
     m = ReadCostModel(0.005, 0.01)
     for _ in range(20):
@@ -456,6 +478,19 @@ def test_executor_probe_when_l3_was_never_measured():
     assert [len(r.keys) // 16 for r in b.tier.reads] == [2]
     b.tier.run_all()
     assert terminal(b, "r")["prefix"] == 2
+
+
+def test_executor_plans_on_an_estimate_measured_by_writes_without_a_probe():
+    """No read measured yet, but the write-behind measured the tier (fast): the first session
+    restores everything at once (no probe, no request lost to it)."""
+    b = Bench(blocks=64, chunk_max_blocks=8, probe_blocks=2)
+    b.tier.estimate = ReadEstimate(0.001, 0.0001, 0, write_samples=4)
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    assert sum(len(r.keys) for r in b.tier.reads) // 16 > 2
+    b.tier.run_all()
+    assert terminal(b, "r")["prefix"] == 40
 
 
 def test_executor_sessions_that_start_during_the_first_probe_restore_nothing():
