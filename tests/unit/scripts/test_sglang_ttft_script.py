@@ -82,3 +82,19 @@ def test_timeline_breakdown_splits_ttft_into_phases():
                  "get": 0.0, "verify": 0.0, "copy": pytest.approx(8.0), "release": 0.0, "demand": 0.0,
                  "check_progress": 0.0, "end": 0.0, "settle_query": 0.0, "settle_copy": 0.0, "checks": 0}
     assert breakdown(10.0, 0.1, {}) is None
+
+
+def test_pool_hit_verdict_pools_every_kvsidecar_arm_against_file_and_recompute():
+    from scripts.sglang_ttft import pool_hit_verdict
+
+    def probe(hits):
+        return {"probe": {"hit_ms": hits}}
+    trials = [{"no_prefetch": probe([200.0, 220.0]), "sglang_file": probe([150.0, 160.0]),
+               "timeout@2": probe([120.0, 140.0]), "cost_aware@2000": probe([130.0, 170.0]), "server_logs": []},
+              {"no_prefetch": probe([210.0]), "sglang_file": probe([155.0]), "whole_task@2": probe([125.0])}]
+    v = pool_hit_verdict(trials)
+    assert v["kvsidecar_pool_hit"]["n"] == 5 and v["kvsidecar_pool_hit"]["median_ms"] == 130.0
+    assert v["sglang_file_hit"]["median_ms"] == 155.0 and v["recompute"]["median_ms"] == 210.0
+    assert v["verdict"] == {"beats_sglang_file_hit": True, "beats_recompute": True}
+    trials[0]["timeout@2"] = probe([400.0, 500.0, 600.0])
+    assert pool_hit_verdict(trials)["verdict"]["beats_sglang_file_hit"] is False
