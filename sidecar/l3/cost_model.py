@@ -4,8 +4,13 @@ Fitted from completed reads by exponentially weighted least squares (each new re
 ``1 / forget`` times the one before it, so a bandwidth change is tracked within a few reads),
 regularised towards a configured prior — conservative (a slow L3) so that, before any evidence,
 the ``cost_aware`` policy restores only what it can hide behind the queue.  Reads of one chunk
-size cannot separate latency from bandwidth; the prior then keeps the latency and the data
-sets the per-block cost, which is exact for that size.
+size (sizes within ``SAME_SIZE`` of their mean) cannot separate latency from bandwidth; the
+prior's split is then kept, scaled down to what the reads took when they ran faster than the
+prior said (never above the prior latency nor the fastest read), and the data sets the
+per-block cost, which is exact for that size.  (Keeping the prior's 5 ms latency whole after
+a 4-block probe that took 5.4 ms made the per-block cost 0.1 ms; the next reads then looked
+like a change of regime, and the fit restarted from two reads of 30 and 34 blocks put the
+latency at 13 ms: every 2-block tail was judged 15 ms to restore against 3 ms real.)
 
 Until the first read is measured, the tier's own writes are the evidence: the write-behind
 puts every prefilled block through the same link, so their measured cost (fitted the same way,
@@ -25,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 CHANGE = 0.5  # a read off its prediction by more than this share, twice in a row the same way: a new regime
+SAME_SIZE = 0.1  # reads whose sizes spread less than this share of their mean cannot split latency from bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +99,9 @@ class ReadCostModel:
             self._err_num = self.forget * self._err_num + rel
             self._err_den = self.forget * self._err_den + 1.0
             surprise = (seconds - predicted) / predicted if predicted > 0 else 0.0
-            if abs(surprise) <= CHANGE:
+            if self.samples < 2:
+                pass  # one read cannot split latency from bandwidth: its miss is no sign of a new regime
+            elif abs(surprise) <= CHANGE:
                 self._surprise = None
             elif self._surprise is not None and (self._surprise[2] > 0) == (surprise > 0):
                 changed = True  # two reads in a row off the same way: the tier changed
@@ -131,8 +139,11 @@ class ReadCostModel:
         lam = self.prior_weight
         kbar = self._k / self._w
         var = self._kk / self._w - kbar * kbar
-        if var <= 1e-9 * max(1.0, kbar * kbar):  # one size so far: the data cannot split it
-            return min(l0, self._min_s)
+        if var <= (SAME_SIZE * kbar) ** 2 or var <= 1e-9:  # one size so far: the data cannot split it
+            # the prior's split, scaled to what the reads took when faster than the prior said
+            mean_s = self._s / self._w
+            scale = min(1.0, mean_s / (l0 + kbar * b0)) if l0 + kbar * b0 > 0 else 1.0
+            return min(l0 * scale, self._min_s)
         # centred regression: slope from the covariance, intercept at the mean; then shrink
         cov = self._ks / self._w - kbar * (self._s / self._w)
         slope = cov / var

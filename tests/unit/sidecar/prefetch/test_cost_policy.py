@@ -301,6 +301,32 @@ def test_estimator_learns_latency_and_bandwidth_from_mixed_sizes():
     assert m.error < 0.5
 
 
+@pytest.mark.parametrize("prior", [(0.005, 0.020), (0.005, 32768 / 10e6)])
+def test_estimator_a_small_probe_then_similar_large_reads_is_not_a_new_regime(prior):
+    """The reads of one cost_aware arm of the real table (r0.3-idle-tp2): a 4-block probe, then
+    reads of 30 and 34 blocks, all ~1.05 ms per block + ~1.3 ms.  The estimate of a 2-block
+    read must stay near the 3.4 ms it takes (it was 14.7 ms: the probe's per-block cost taken
+    with the prior's 5 ms latency whole, a false change of regime, a latency extrapolated from
+    30 and 34 blocks)."""
+    m = ReadCostModel(*prior)
+    for k, sec in [(4, .00538), (30, .03353), (34, .03607), (34, .03546), (34, .0357), (34, .03704), (34, .03618)]:
+        m.observe(k, sec)
+        assert m.estimate().seconds(2) < 0.006, (k, m.estimate())
+    e = m.estimate()
+    assert e.latency_s < 0.003 and e.s_per_block == pytest.approx(0.00105, rel=0.1)
+    assert e.seconds(34) == pytest.approx(0.036, rel=0.05)
+
+
+def test_estimator_reads_of_one_size_keep_the_prior_split_scaled_to_them():
+    m = ReadCostModel(0.005, 0.001)  # the prior says 37 ms for 32 blocks
+    m.observe(32, 0.0037)  # 10x faster: the prior's latency scaled down with it
+    e = m.estimate()
+    assert e.latency_s == pytest.approx(0.0005, rel=0.01) and e.seconds(32) == pytest.approx(0.0037)
+    m2 = ReadCostModel(0.005, 0.001)
+    m2.observe(32, 0.074)  # slower than the prior: the prior latency, the data sets the per-block cost
+    assert m2.estimate().latency_s == 0.005 and m2.estimate().seconds(32) == pytest.approx(0.074)
+
+
 def test_estimator_rests_on_writes_until_the_first_read():
     """Before any read the tier's own writes (the write-behind, over the same link) are the
     estimate, fitted the same way; the first read takes over and writes count no more."""
