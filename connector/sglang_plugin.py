@@ -67,7 +67,7 @@ import sys
 import time
 
 from .hicache_backend import KvSidecarHiCacheStorage
-from .sglang_eta import SchedulerEta
+from .sglang_eta import SchedulerEta, chunked_remaining, queued_of
 from .sglang_settle import HitSettler
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,10 @@ def _eta_before_prefill(scheduler, *args, **kwargs):
 
     Never raises into the scheduler loop and never waits on the sidecar (the updates go to a
     sender thread)."""
-    eta = getattr(getattr(scheduler, "tree_cache", None), "_kvs_eta", None)
+    cache = getattr(scheduler, "tree_cache", None)
+    if getattr(cache, "_kvs_settle", None) is not None:
+        cache._kvs_scheduler = scheduler  # the settler asks where a request stands in the queue
+    eta = getattr(cache, "_kvs_eta", None)
     if eta is not None:
         try:
             eta.scheduler = scheduler  # lives as long as the process
@@ -161,6 +164,7 @@ def radix_cache_class():
             self._kvs = activate(self.cache_controller, self.prefetch_stop_policy)
             self._kvs_demanded: set = set()
             self._kvs_eta = eta_for(self._kvs)
+            self._kvs_scheduler = None  # SGLang's Scheduler, bound by the BEFORE hook on get_new_batch_prefill
             self._kvs_settle = settler_for(self, self._kvs)
 
         def check_hicache_events(self) -> None:
@@ -236,7 +240,34 @@ def settler_for(cache, backend: KvSidecarHiCacheStorage | None) -> HitSettler | 
         log.info("kvsidecar plugin: hit settling off (pipeline parallel, buffer-only host memory or a cache linker)")
         return None
     return HitSettler(backend.config.sessions.settle_wait_s,
-                      lambda request: backend.resident(request.rid, request.attempt_id), trace=backend.trace)
+                      lambda request: backend.resident(request.rid, request.attempt_id), trace=backend.trace,
+                      admissible=lambda request: admissible_now(getattr(cache, "_kvs_scheduler", None), request))
+
+
+def admissible_now(scheduler, request) -> bool:
+    """Could ``request`` start its prefill in this iteration: the uncached tokens ahead of it (the
+    chunked request's rest, then the waiting queue in SGLang's FCFS admission order) are fewer than
+    one iteration's prefill budget (``chunked_prefill_size``, else ``max_prefill_tokens``)?  The
+    same on every rank (SPMD queue).  True before the scheduler is known, or when the request is
+    not in the queue."""
+    if scheduler is None:
+        return True
+    budget = getattr(scheduler, "chunked_prefill_size", None)
+    if not budget or budget <= 0:
+        budget = getattr(scheduler, "max_prefill_tokens", None) or 0
+    if budget <= 0:
+        return True
+    waiting = list(getattr(scheduler, "waiting_queue", ()))
+    rid = str(request.rid)
+    at = next((i for i, r in enumerate(waiting) if str(r.rid) == rid), None)
+    if at is None:
+        return True
+    ahead = chunked_remaining(scheduler)
+    for r in waiting[:at]:
+        if ahead >= budget:
+            break
+        ahead += queued_of(r).tokens
+    return ahead < budget
 
 
 def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:
