@@ -179,8 +179,9 @@ def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, insta
     """SGLang fetches exactly the hit ``batch_exists`` reports, on its one I/O thread.  With L3
     dearer than prefill (10 ms vs 5 ms a block) and the request 500 ms from its prefill,
     cost_aware restores only what lands by then: that is the hit SGLang is told (not the 64-block
-    L3 hit), its pages arrive bit-exact, and the session restores no more than it.  (A first
-    request measures L3 with its probe: nothing is planned on the prior.)"""
+    L3 hit), its pages arrive bit-exact, and the session restores no more than it.  (Before any
+    read, the write-behind's measured puts are the estimate: the first request plans on them,
+    no probe.)"""
     pool = host_pool("layer_first")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
     block_bytes = layout_for_host_pool(pool, "tiny-llama", False).block_bytes
@@ -198,10 +199,12 @@ def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, insta
     with b.connection() as c:
         wait_l3_idle(c)
         c.flush()  # only L3 holds the chains now
+        cost = c.stats()["l3"]["cost"]
+        assert cost["samples"] == 0 and cost["write_samples"] > 0, cost  # measured by the writes alone
     b.eta_source = lambda rid, attempt: (0.5, 0.005)  # the plugin's ETA: prefill in 500 ms, 5 ms a block
     with b.bind("r-warm", 0):
-        assert b.batch_exists(warm) == 2  # unmeasured: the probe, and only it
-    assert all(b.batch_get_v1(warm[:2], page_indices(range(200, 202))))
+        assert b.batch_exists(warm) == 8  # 8 blocks at ~10 ms land well before the ETA: all of them, no probe
+    assert all(b.batch_get_v1(warm, page_indices(range(200, 208))))
     b.end("r-warm", 0, abort=False)
     with b.connection() as c:
         wait_until(lambda: c.stats()["l3"]["cost"]["samples"] > 0, 10, "the probe to measure L3")
