@@ -288,7 +288,9 @@ class L3Snapshot:
         c = self.cost
         cost = {"latency_ms": round(c.latency_s * 1e3, 3), "s_per_block_us": round(c.s_per_block * 1e6, 3),
                 "mb_per_s": round(self.block_bytes / c.s_per_block / 1e6, 3) if c.s_per_block > 0 else 0.0,
-                "samples": c.samples, "write_samples": c.write_samples, "error": round(c.error, 4)}
+                "samples": c.samples, "error": round(c.error, 4)}
+        if c.write_samples:  # only while the estimate rests on writes (no read measured yet)
+            cost["write_samples"] = c.write_samples
         return {"l3": {**self.counters, "cost": cost, **self.lanes, "backend": dict(self.backend),
                        "puts_in_flight": self.puts_in_flight, "put_backlog_blocks": self.put_backlog_blocks,
                        "loads_in_flight": self.loads_in_flight}}

@@ -289,5 +289,6 @@ def test_real_tier_estimate_rests_on_its_writes_until_a_read_is_measured(tmp_pat
         h.settle(lambda: len(got.calls) == 1)
         e = h.tier.read_outlook(QUEUED).estimate
         assert e.samples == 1 and e.write_samples == 0
+        assert "write_samples" not in h.tier.snapshot().stats()["l3"]["cost"]  # reported only while it decides
     finally:
         h.close()
