@@ -28,7 +28,7 @@ from kvsidecar.connector.kv_client import KVConnector  # noqa: E402
 from kvsidecar.shm.layout import KVLayout  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
-from scripts.sglang_server import http  # noqa: E402,F401  (the benchmark's server harness; the flush test imports it from here)
+from scripts.sglang_server import clean_shm, http  # noqa: E402,F401  (the benchmark's server harness; the flush test imports it from here)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -66,6 +66,7 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeli
     SGLang's ``wait_complete``); with ``plugin`` the kvsidecar radix cache (``--radix-cache-backend
     kvsidecar``); without it SGLang does not load the plugin (``SGLANG_PLUGINS``) and kvsidecar runs
     with sessions disabled."""
+    since = time.time()  # what SGLang leaves in /dev/shm from here on is this server's
     sc = SidecarProcess(instance, overrides=sidecar_over)
     port = free_port()
     plugin_cfg = tmp_path / "kvsidecar-sglang.toml"
@@ -106,9 +107,9 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeli
 
         wait_until(healthy, 300, "the server up (/health)", interval_s=1.0)
     except BaseException:
-        stop_server(proc, log, sc, instance)
+        stop_server(proc, log, sc, instance, since)
         raise
-    return Server(proc, log, sc, port, time.monotonic() - t0, log_path)
+    return Server(proc, log, sc, port, time.monotonic() - t0, log_path, since)
 
 
 @dataclasses.dataclass
@@ -119,9 +120,10 @@ class Server:
     port: int
     startup_s: float
     log_path: Path
+    since: float  # wall clock before it started (its /dev/shm leftovers are newer)
 
 
-def stop_server(proc, log, sc, instance) -> None:
+def stop_server(proc, log, sc, instance, since: float) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
@@ -133,13 +135,9 @@ def stop_server(proc, log, sc, instance) -> None:
         proc.wait(10)
     log.close()
     sc.stop()
-    for name in os.listdir("/dev/shm"):  # a killed sidecar's segments, and SGLang's own leftovers
-        if name.startswith(instance) or (name.startswith(("sglang", "sgl_", "psm_"))
-                                         and os.stat(f"/dev/shm/{name}").st_uid == os.getuid()):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except OSError:
-                pass
+    # a killed sidecar's segments, and SGLang's own leftovers (its multiprocessing semaphores
+    # ``sem.mp-*`` among them) created since the server started; never one a live process maps
+    clean_shm(instance, since)
 
 
 @pytest.fixture
@@ -153,7 +151,7 @@ def server_factory(instance, tmp_path):
 
     yield start
     for srv in started:
-        stop_server(srv.proc, srv.log, srv.sc, instance)
+        stop_server(srv.proc, srv.log, srv.sc, instance, srv.since)
 
 
 def flush(port):
