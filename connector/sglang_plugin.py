@@ -176,7 +176,7 @@ def radix_cache_class():
             before = list(self.ongoing_prefetch) if kvs is not None else ()
             super().check_hicache_events()
             if self._kvs_settle is not None:
-                self._kvs_settle.settle(self)
+                self._kvs_settle.settle(self, admissible_now(self._kvs_scheduler))
             for request in before:
                 if request not in self.ongoing_prefetch:
                     self._kvs_demanded.discard(request)
@@ -240,34 +240,32 @@ def settler_for(cache, backend: KvSidecarHiCacheStorage | None) -> HitSettler | 
         log.info("kvsidecar plugin: hit settling off (pipeline parallel, buffer-only host memory or a cache linker)")
         return None
     return HitSettler(backend.config.sessions.settle_wait_s,
-                      lambda request: backend.resident(request.rid, request.attempt_id), trace=backend.trace,
-                      admissible=lambda request: admissible_now(getattr(cache, "_kvs_scheduler", None), request))
+                      lambda request: backend.resident(request.rid, request.attempt_id), trace=backend.trace)
 
 
-def admissible_now(scheduler, request) -> bool:
-    """Could ``request`` start its prefill in this iteration: the uncached tokens ahead of it (the
-    chunked request's rest, then the waiting queue in SGLang's FCFS admission order) are fewer than
-    one iteration's prefill budget (``chunked_prefill_size``, else ``max_prefill_tokens``)?  The
-    same on every rank (SPMD queue).  True before the scheduler is known, or when the request is
-    not in the queue."""
+def admissible_now(scheduler):
+    """This iteration's predicate: could a request start its prefill now, i.e. are the uncached
+    tokens ahead of it (the chunked request's rest, then the waiting queue in SGLang's FCFS
+    admission order) fewer than one iteration's prefill budget (``chunked_prefill_size``, else
+    ``max_prefill_tokens``)?  One walk of the queue's head per iteration, however many requests
+    are asked about.  The same on every rank (SPMD queue).  True for every request before the
+    scheduler is known, and for one not in the queue."""
     if scheduler is None:
-        return True
+        return lambda request: True
     budget = getattr(scheduler, "chunked_prefill_size", None)
     if not budget or budget <= 0:
         budget = getattr(scheduler, "max_prefill_tokens", None) or 0
     if budget <= 0:
-        return True
+        return lambda request: True
     waiting = list(getattr(scheduler, "waiting_queue", ()))
-    rid = str(request.rid)
-    at = next((i for i, r in enumerate(waiting) if str(r.rid) == rid), None)
-    if at is None:
-        return True
-    ahead = chunked_remaining(scheduler)
-    for r in waiting[:at]:
+    queued = {str(r.rid) for r in waiting}
+    can, ahead = set(), chunked_remaining(scheduler)
+    for r in waiting:
         if ahead >= budget:
             break
+        can.add(str(r.rid))
         ahead += queued_of(r).tokens
-    return ahead < budget
+    return lambda request: str(request.rid) in can or str(request.rid) not in queued
 
 
 def activate(controller, prefetch_stop_policy: str) -> KvSidecarHiCacheStorage:

@@ -90,25 +90,25 @@ class HitSettler:
 
     ``resident(request)`` (SGLang's ``CacheRequestHandle``): this rank's backend knows the
     request's hit is resident in the sidecar's pool (its copy is a memcpy, worth waiting for).
-    ``admissible(request)``: the request could start its prefill in this iteration (near the
-    head of the waiting queue); one that cannot waits an iteration anyway, and SGLang's own
-    next drain brings its answer in for free, so waiting for it would only hold up the
-    iteration.  It must be identical on every rank (the scheduler's queue is).
     ``trace(rid, phase, t0, t1)``: optional timeline (time.perf_counter)."""
 
-    def __init__(self, budget_s: float, resident: Callable[[object], bool], trace=None,
-                 admissible: Callable[[object], bool] | None = None):
+    def __init__(self, budget_s: float, resident: Callable[[object], bool], trace=None):
         if not budget_s > 0:
             raise ValueError(f"budget_s must be positive, not {budget_s!r}")
         self.budget_s = budget_s
         self.resident = resident
-        self.admissible = admissible
         self.trace = trace
         self.stats = SettleStats()
         self._queried: set = set()  # operations given their query round (strong refs, pruned to live ones)
         self._copied: set = set()  # operations given their copy round
 
-    def settle(self, cache) -> None:
+    def settle(self, cache, admissible: Callable[[object], bool] | None = None) -> None:
+        """One iteration's rounds.  ``admissible(request)``: the request could start its prefill
+        in this iteration (near the head of the waiting queue; built once per iteration by the
+        caller); one that cannot waits an iteration anyway, and SGLang's own next drain brings
+        its answer in for free, so waiting for it would only hold up the iteration.  It must be
+        identical on every rank (the scheduler's queue is).  None: every request."""
+        admissible = admissible or (lambda request: True)
         cc = cache.cache_controller
         if cc is None or getattr(cc, "prefetch_hit_queue", None) is None:
             return
@@ -118,7 +118,7 @@ class HitSettler:
         deadline = time.monotonic() + self.budget_s
 
         ops = [i.operation for h, i in cache.ongoing_prefetch.items()
-               if i.host_indices is None and i.operation not in self._queried and self._admissible(h)]
+               if i.host_indices is None and i.operation not in self._queried and admissible(h)]
         if ops:  # identical on every rank: so is the collective drain below
             self._queried.update(ops)
             self._wait(cc.prefetch_hit_queue, ops, answered(ops), deadline, "settle_query")
@@ -126,7 +126,7 @@ class HitSettler:
             self.stats.rounds_query += 1
 
         new = [(h, i.operation) for h, i in cache.ongoing_prefetch.items()
-               if i.host_indices is not None and i.operation not in self._copied and self._admissible(h)]
+               if i.host_indices is not None and i.operation not in self._copied and admissible(h)]
         if new:
             ops = [op for _h, op in new]
             self._copied.update(ops)
@@ -135,9 +135,6 @@ class HitSettler:
                 self._wait(cc.ack_prefetch_queue, mine, completed(mine), deadline, "settle_copy")
             cache.drain_storage_control_queues()
             self.stats.rounds_copy += 1
-
-    def _admissible(self, request) -> bool:
-        return self.admissible is None or bool(self.admissible(request))
 
     def _resident(self, request) -> bool:
         try:

@@ -270,12 +270,15 @@ def test_a_request_that_cannot_start_this_iteration_gets_no_round_and_no_drain()
     cache = Cache()
     h, op = cache.enter("deep")
     answer(cache, op, 4)
-    s = HitSettler(1.0, resident=lambda req: True, admissible=lambda req: req.rid != "deep")
-    s.settle(cache)
+    s = HitSettler(1.0, resident=lambda req: True)
+
+    def admissible(req):
+        return req.rid != "deep"
+    s.settle(cache, admissible)
     assert cache.drains == 0 and s.stats.rounds_query == 0 and cache.ongoing_prefetch[h].host_indices is None
     h2, op2 = cache.enter("head")
     answer(cache, op2, 0)
-    s.settle(cache)  # the head one is settled (and the drain takes whatever every rank has)
+    s.settle(cache, admissible)  # the head one is settled (and the drain takes whatever every rank has)
     assert cache.drains == 1 and h2 in cache.ready
 
 
@@ -298,9 +301,9 @@ def test_admissible_now_counts_the_uncached_tokens_ahead_against_one_iterations_
     from kvsidecar.connector.sglang_plugin import admissible_now
 
     q = [Req("a", [1] * 2048), Req("b", [1] * 2048, prefix_len=1024), Req("c", [1] * 2048), Req("d", [1] * 16)]
-    s = Sched(q)
-    assert [admissible_now(s, Handle(r)) for r in "abcd"] == [True, True, True, False]  # 0, 2048, 3072, 5120 ahead
-    assert admissible_now(Sched(q, chunked=Req("x", [1] * 4096)), Handle("a")) is False
-    assert admissible_now(Sched(q, chunked_prefill_size=-1, max_prefill_tokens=1000), Handle("b")) is False
-    assert admissible_now(None, Handle("a")) is True  # before the scheduler is known
-    assert admissible_now(s, Handle("gone")) is True
+    now = admissible_now(Sched(q))
+    assert [now(Handle(r)) for r in "abcd"] == [True, True, True, False]  # 0, 2048, 3072, 5120 ahead
+    assert admissible_now(Sched(q, chunked=Req("x", [1] * 4096)))(Handle("a")) is False
+    assert admissible_now(Sched(q, chunked_prefill_size=-1, max_prefill_tokens=1000))(Handle("b")) is False
+    assert admissible_now(None)(Handle("a")) is True  # before the scheduler is known
+    assert now(Handle("gone")) is True
