@@ -422,6 +422,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware", help="kvsidecar arms, in order")
     ap.add_argument("--chunk-max-blocks", type=int, default=8,
                     help="kvsidecar's chunk (bounds a stop's regret: 8 blocks = 32 KiB, 130 ms at 2 Mbit/s)")
+    ap.add_argument("--keep-data", action="store_true",
+                    help="keep the L3 and file-tier stores (~500 MiB a run); logs are always kept")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -442,6 +444,9 @@ def main(argv=None) -> int:
     finally:
         removed = clean_shm(bench.instance_prefix, bench.started)
         log.info("removed %d leftovers from /dev/shm", len(removed))
+        if not a.keep_data:
+            freed = prune_tier_data(work)
+            log.info("removed %.0f MiB of L3 / file-tier data under %s (logs kept)", freed / 2**20, work)
     doc = {"rows": rows(results, speeds), "probe": probe_table(results), "pool_hit": pool_hit_verdict(results),
            "trials": results,
            "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests}
@@ -451,6 +456,20 @@ def main(argv=None) -> int:
     write_json(a.json, doc, indent=1)
     print_table(doc)
     return 0
+
+
+def prune_tier_data(work: Path) -> int:
+    """Remove the run's tier stores (``l3-*``, ``file-*``), keep its logs, configs and model.
+
+    Returns the bytes freed.  The stores are what fills a disk: a few hundred MiB a run.
+    """
+    import shutil
+    freed = 0
+    for d in [*work.glob("l3-*"), *work.glob("file-*")]:
+        if d.is_dir():
+            freed += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            shutil.rmtree(d, ignore_errors=True)
+    return freed
 
 
 def print_table(doc: dict) -> None:
