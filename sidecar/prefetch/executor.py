@@ -12,6 +12,8 @@ to the machine (through the continuations the session manager gives it at constr
   (never re-entered from inside a claim).
 * **Publish** / **Drop** → the manager publishes in chain order / frees from a position — only
   ever after the chunk's read completed.
+* **Detach** → the probe's read goes on without the session (:meth:`PoolManager.leave_behind`:
+  an orphan, published if it lands in chain order); the tier still measures it.
 * **Finish** → ``finished(rec, action)`` (the session manager keeps the result and ends it).
 * After a stop trigger, reads not yet started leave the sender queue (:meth:`withdraw_queued`);
   when the drain budget runs out, reads still in flight are left behind (:meth:`abandon_in_flight`).
@@ -27,8 +29,8 @@ from kvsidecar.sidecar.kv.admission import PoolManager, Refusal
 from kvsidecar.sidecar.kv.chunks import ChunkPlan
 from kvsidecar.sidecar.kv.index import pack_ids
 from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
-from kvsidecar.sidecar.prefetch.machine import (ChunkAbandoned, ChunkWithdrawn, Claim, ClaimShort, Drop, Finish,
-                                                Publish, Query, State)
+from kvsidecar.sidecar.prefetch.machine import (ChunkAbandoned, ChunkWithdrawn, Claim, ClaimShort, Detach, Drop,
+                                                Finish, Publish, Query, State)
 from kvsidecar.sidecar.prefetch.records import ChunkIO, Record
 from kvsidecar.sidecar.service import Host
 
@@ -37,10 +39,11 @@ log = logging.getLogger(__name__)
 
 class SessionExecutor:
     def __init__(self, pool: PoolManager, tier: SessionTier | None, host: Host, clock, counters: collections.Counter, *,
-                 query_done, chunk_done, finished, session_of):
+                 query_done, chunk_done, finished, session_of, read_ended=lambda: None):
         """``tier``: the L3 tier (its contract: ``kvsidecar.sidecar.l3.interface``), None without L3;
         ``query_done(sid, hits)``, ``chunk_done(sid, chunk, ok)``: events for a session (posted);
-        ``finished(rec, Finish)``: the session ended; ``session_of(sid)``: its record or None."""
+        ``finished(rec, Finish)``: the session ended; ``session_of(sid)``: its record or None;
+        ``read_ended()``: an L3 read ended (posted: the tier has measured it by then)."""
         self.pool = pool
         self.tier = tier
         self.host = host
@@ -50,6 +53,7 @@ class SessionExecutor:
         self._chunk_done = chunk_done
         self._finished = finished
         self._session_of = session_of
+        self._read_ended = read_ended
 
     def carry_out(self, rec: Record, actions: list) -> None:
         """Carry out actions; executing one may produce more (e.g. a limit shrinks a claim)."""
@@ -75,6 +79,8 @@ class SessionExecutor:
                 self._publish(rec, a)
             elif isinstance(a, Drop):
                 self._drop(rec, a)
+            elif isinstance(a, Detach):
+                self._detach(rec, a)
             elif isinstance(a, Finish):
                 self._finished(rec, a)
 
@@ -91,7 +97,8 @@ class SessionExecutor:
         extra = []
         if granted < a.count:
             self.counters["claims_limited"] += 1
-            extra = rec.machine.handle(ClaimShort(a.chunk, granted, self.clock()))
+            if rec.machine.chunk_pending(a.chunk):  # (a probe detached in the same decision: no longer)
+                extra = rec.machine.handle(ClaimShort(a.chunk, granted, self.clock()))
             if granted == 0:
                 return extra
         io = ChunkIO(plan)
@@ -113,6 +120,7 @@ class SessionExecutor:
     def _read_done(self, sid: int, chunk: int, result) -> None:
         """A chunk's L3 read ended (``result``: per-block success and its own timing)."""
         ok = result.ok
+        self.host.post(self._read_ended)
         orphan = self.pool.resolve_orphan((sid, chunk), ok)
         if orphan is not None:
             for outcome, n in zip(("published", "dropped"), orphan):
@@ -155,6 +163,13 @@ class SessionExecutor:
         io = rec.chunks.pop(a.chunk, None)
         if io is not None:
             self.pool.drop(io.plan, a.offset, rec.machine.published)
+
+    def _detach(self, rec: Record, a: Detach) -> None:
+        io = rec.chunks.pop(a.chunk, None)
+        if io is not None:  # (None: a limit refused the whole claim)
+            self.pool.leave_behind(io.plan, rec.machine.published)
+            self.counters["probes_detached"] += 1
+            rec.events.append(("detach", self.clock(), [a.chunk, io.count]))
 
     # -- after a stop -----------------------------------------------------------------------------
     def withdraw_queued(self, rec: Record) -> list:

@@ -31,6 +31,13 @@ Guarantees (checked by the property tests):
   (``Demand`` is a re-plan with the ETA at *now*, not a seal); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
   worth reading.  ``budget_s`` (the deadline) is an optional cap, as for ``timeout``.
+  While another session's probe is out (no read has measured L3), a queued session plans
+  nothing on the prior and stays open (``awaiting_evidence``) until a re-plan brings the
+  measurement; a scheduling candidate stops then with what it has.
+  A probe (the read that teaches the estimator, claimed for its evidence, not its gain) holds a
+  scheduling candidate only as long as a probe that pays would take (its blocks' prefill time):
+  then it is detached (``Detach``: the read goes on without the session; the caller re-plans at
+  ``probe_wake_at``) and the session seals with ``Status.COST`` on what it has.
   Started with the engine's ETA (``Start.eta_given``) and a measured L3 estimate it sends no
   L3 query when even the best case (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`)
   cannot pay: it is terminal from the start (``CREATED → TERMINAL``), holding the resident
@@ -95,6 +102,13 @@ class Publish:
 class Drop:
     chunk: int
     offset: int  # free the chunk's blocks from `offset` on (failed, or beyond a cut)
+
+
+@dataclasses.dataclass(frozen=True)
+class Detach:
+    chunk: int  # a probe still in flight: the session stops counting on it; the read goes on
+    # without it (its blocks are published if they land in chain order; its timing still
+    # teaches the estimator).  Emitted only for the probe chunk, and the session is sealed.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +266,8 @@ class Session:
         self.expected_end = 0.0  # when what is claimed is expected to land
         self.queued_s = 0.0  # read time claimed since the outlook was taken (not in its backlog)
         self.claimed_any = False
-        self.probe_chunk = -1  # the first claim was a probe (read for the estimate, not its gain)
+        self.probe_deadline = 0.0  # a candidate waits for its probe until then (see probe_wake_at)
+        self.probe_chunk = -1  # the first claim was a probe (read for the estimate: planned on the prior, or no gain)
         self.plan_end = p.resident  # where the last cost decision meant to restore to (``planned``)
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
 
@@ -295,6 +310,8 @@ class Session:
         if self.sealed or self.cut or self.state != State.RUNNING:
             return out
         cost_aware = self.p.policy == Policy.COST_AWARE
+        if cost_aware and self._probe_holds_candidate():
+            return self._detach_probe()
         if cost_aware and self.next_pos >= self.target and self.in_flight:
             # everything is claimed: what is still in flight is reviewed like a stop (a read
             # that would land after the prefill could start, at a cost above recomputing, is
@@ -313,7 +330,45 @@ class Session:
             self.chunks[c.id] = c
             self.next_pos += n
             out.append(Claim(c.id, c.start, n))
+            if cost_aware and self._probe_holds_candidate():
+                return out + self._detach_probe()  # claimed for the estimate, not for this request
         return out
+
+    def _awaits_evidence(self, o: Outlook) -> bool:
+        """cost_aware, queued, nothing claimed: while no read has measured L3 (another session's
+        probe is out) the session neither plans on the prior nor gives up its queue time; it
+        stays open for the Replan the measurement brings.  A scheduling candidate does not wait."""
+        return o.unmeasured and not o.probe_blocks and not self.claimed_any and o.eta > self.now
+
+    @property
+    def awaiting_evidence(self) -> bool:
+        """Open only for an L3 measurement (the session manager re-plans it when one lands)."""
+        return (self.p.policy == Policy.COST_AWARE and self.state == State.RUNNING and not self.sealed
+                and not self.chunks and self.next_pos < self.target and self._awaits_evidence(self.outlook))
+
+    def _probe_holds_candidate(self) -> bool:
+        """cost_aware: the probe is in flight past the time a probe that pays would have landed
+        (``probe_deadline``: its blocks' prefill time), and the request's prefill could start now."""
+        return (self.chunk_pending(self.probe_chunk) and self.outlook.eta <= self.now
+                and self.now >= self.probe_deadline)
+
+    @property
+    def probe_wake_at(self) -> float | None:
+        """When a re-plan must come (a timer of the caller's) so that a scheduling candidate
+        stops waiting for a probe that does not pay: None when no probe is pending."""
+        if self.p.policy != Policy.COST_AWARE or self.sealed or not self.chunk_pending(self.probe_chunk):
+            return None
+        return self.probe_deadline
+
+    def _detach_probe(self) -> list:
+        """Let the probe's read go on without the session (it was claimed for the estimator, and a
+        scheduling candidate must not wait for it), and stop: nothing is planned on the prior,
+        and blocks after the probe could not be published in order without it."""
+        c = self.chunks.pop(self.probe_chunk)
+        self.next_pos = c.start
+        self._seal(Status.COST, "cost")
+        self.keep_admitted = False
+        return [Detach(c.id)]
 
     def _advance(self) -> list:
         """Publish what is publishable in order, drop what a cut strands, maybe finish."""
@@ -357,6 +412,8 @@ class Session:
                             self.claimed_any, self.queued_s)
         self.plan_end = self.next_pos + planned
         n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
+        if n == 0 and self._awaits_evidence(o):
+            return 0  # another session's probe is out: its measurement decides (Replan), not the prior
         if n == 0:
             keep = cost.keep_admitted(o, current_end)
             if keep and self.in_flight:
@@ -366,8 +423,10 @@ class Session:
             return 0
         if not commit:
             return 0
-        if not self.claimed_any and cost.gain(o, now, n, current_end, self.queued_s) <= 0:
+        if not self.claimed_any and (o.unmeasured or cost.gain(o, now, n, current_end, self.queued_s) <= 0):
             self.probe_chunk = self._ids  # the id the claim gets
+            # a probe that pays (L3 cheaper than prefill, latency included) lands by then
+            self.probe_deadline = now + n * o.saving_per_block
         self.claimed_any = True
         land = cost.lands(o, now, n, current_end, self.queued_s)
         self.queued_s += o.l3_latency_s + n * o.l3_s_per_block

@@ -60,6 +60,7 @@ class Record:
     restored: int = 0
     demanded: bool = False  # a scheduling candidate: its reads go ahead of queued requests'
     drain_timer: bool = False  # a drain deadline is armed
+    probe_timer: bool = False  # the re-plan at the probe deadline is armed (cost_aware)
     abandoned: int = 0  # chunks whose read was still in flight when the drain budget ran out
     eta: float | None = None  # cost_aware: when the engine expects to start its prefill (None: now)
     prefill_s_per_block: float = 0.0  # cost_aware: the engine's prefill cost of one block

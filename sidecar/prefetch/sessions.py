@@ -62,7 +62,9 @@ class SessionManager(Service):
         self.waits = SessionWaits(self.host, self.clock)  # deferred ``wait`` replies
         self.executor = SessionExecutor(self.pool, tier, self.host, self.clock, self._counters,
                                         query_done=self._query_done, chunk_done=self._chunk_done,
-                                        finished=self._finish, session_of=self.by_id.get)
+                                        finished=self._finish, session_of=self.by_id.get,
+                                        read_ended=self._read_ended)
+        self._awaiting_evidence: set[int] = set()  # cost_aware sessions open for an L3 measurement
 
     @property
     def counters(self) -> collections.Counter:
@@ -302,10 +304,38 @@ class SessionManager(Service):
             rec.sealed_at = self.clock()
             rec.events.append(("sealed", rec.sealed_at, rec.machine.reason or ""))
         self.executor.carry_out(rec, actions)
+        if rec.machine.awaiting_evidence:
+            self._awaiting_evidence.add(rec.id)
+        else:
+            self._awaiting_evidence.discard(rec.id)
+        wake = rec.machine.probe_wake_at
+        if wake is not None and not rec.probe_timer:
+            rec.probe_timer = True
+            self.host.call_at(wake, self._probe_due, rec.id)
         self.waits.wake(rec.id, rec.machine, lambda: self._view(rec))
         if rec.machine.state == State.DRAINING and not rec.drain_timer:
             rec.drain_timer = True
             self.host.call_at(self.clock() + self._drain_budget(rec), self._drain_expired, rec.id)
+
+    def _probe_due(self, sid: int) -> None:
+        """A probe that pays would have landed by now: a candidate stops waiting for it."""
+        rec = self.by_id.get(sid)
+        if rec is not None and rec.machine.probe_wake_at is not None:
+            now = self.clock()
+            self._run(rec, rec.machine.handle(Replan(now, self._outlook(rec, now))))
+
+    def _read_ended(self) -> None:
+        """An L3 read ended (a session's, or a detached probe's): once the estimate is measured,
+        the sessions that were waiting for it re-plan (oldest first: the read lane's order)."""
+        if not self._awaiting_evidence or self.tier is None or not self.tier.read_outlook().estimate.measured:
+            return
+        now = self.clock()
+        for sid in sorted(self._awaiting_evidence):
+            rec = self.by_id.get(sid)
+            self._awaiting_evidence.discard(sid)
+            if rec is not None and rec.machine.awaiting_evidence:
+                self._counters["replans_on_evidence"] += 1
+                self._run(rec, rec.machine.handle(Replan(now, self._outlook(rec, now))))
 
     def _drain_budget(self, rec: Record) -> float:
         return drain_budget(rec, self.tier, self.cfg)

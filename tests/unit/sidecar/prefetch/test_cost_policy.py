@@ -11,7 +11,7 @@ from kvsidecar.shm.protocol import PROTOCOL_VERSION, decode_request, encode
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
 from kvsidecar.sidecar.prefetch import cost
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Finish, IllegalEvent, Params, Policy, Query,
+from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Detach, Finish, IllegalEvent, Params, Policy, Query,
                                       QueryDone, Replan, Session, Start, State, Status, Tick)
 from tests.unit.sidecar.prefetch.test_executor import Bench, terminal
 
@@ -40,8 +40,15 @@ def test_restore_dearer_claims_only_what_lands_before_the_eta():
     assert k == 11 and cost.lands(o, 0.0, k, 0.0) <= 0.2 < cost.lands(o, 0.0, k + 1, 0.0)
 
 
-def test_backlog_ahead_eats_the_slack():
-    assert cost.next_claim(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 0
+def test_a_queued_request_reads_one_chunk_even_when_nothing_lands_before_its_eta():
+    """The backlog eats the slack: nothing lands by the ETA.  Queued, the request still reads
+    one chunk (the ETA is an estimate and a queued read costs nothing until the demand); a
+    scheduling candidate (ETA now) reads nothing."""
+    assert cost.next_claim(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 32
+    assert cost.plan(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 32  # (not all 100)
+    assert cost.next_claim(ol(eta=0.0, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 0
+    unknown = Outlook(eta=0.2, prefill_s_per_block=0.0, **SLOW)  # nothing to save: no read
+    assert cost.next_claim(unknown, 0.0, 100, 32, 0.0, False) == 0
 
 
 def test_latency_larger_than_the_saving_of_a_short_tail_is_not_paid():
@@ -192,22 +199,29 @@ def test_machine_slow_l3_on_an_idle_engine_reads_nothing():
     assert claims(a) == [] and finish(a) == Finish(Status.COST, 0, "cost")
 
 
-def test_machine_slow_l3_with_slack_reads_what_hides_behind_the_queue_then_stops():
+def test_machine_slow_l3_with_slack_reads_behind_the_queue_until_the_demand():
     s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
     a = s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
     assert [c.count for c in claims(a)] == [8, 3]  # 11 blocks land by the eta
     assert not s.sealed  # they still pay: no stop while they are in flight (a later ETA may want more)
-    f = run_to_end(s, 0.1)
-    assert f == Finish(Status.COST, 11, "cost")
+    first = min(s.chunks.values(), key=lambda c: c.start)
+    a = s.handle(ChunkDone(first.id, (True,) * 8, 0.15, ol(eta=0.2, regime=SLOW)))
+    assert [c.count for c in claims(a)] == [8]  # still queued: one more chunk
+    a = s.handle(Demand(0.2, ol(eta=0.2, regime=SLOW)))  # a candidate: stop claiming
+    assert claims(a) == [] and s.sealed and s.status == Status.COST and not s.keep_admitted
+    f = run_to_end(s, 0.21)
+    assert f == Finish(Status.COST, 19, "cost")
 
 
 def test_machine_planned_is_what_cost_aware_will_restore_not_the_whole_hit():
     """An engine that fetches the hit itself (SGLang's batch_exists) is told ``planned``: here
-    the 11 of 64 hit blocks that land by the eta, so it never waits for the other 53."""
+    the 11 of 64 hit blocks that land by the eta and, while queued, the next chunk (8), so it
+    never waits for the other 45; once a candidate, only what is claimed."""
     s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
     s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
-    assert (s.target, s.planned) == (64, 11)
-    run_to_end(s, 0.1)
+    assert (s.target, s.planned) == (64, 19)
+    s.handle(Demand(0.2, ol(eta=0.2, regime=SLOW)))
+    run_to_end(s, 0.21)
     assert s.planned == 11 == s.published
 
 
@@ -479,10 +493,17 @@ def test_executor_poll_with_an_eta_replans_once_per_step():
     c2 = b2.chain("a", 40)
     b2.prefetch("r", c2, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.1)
     b2.tier.answer_lookups()
-    assert sum(len(r.keys) for r in b2.tier.reads) // 16 == 4  # 4 land by 0.1 s (0.081 s)
-    b2.loop.advance(0.081)  # the read takes its time: then nothing more lands before the ETA
-    b2.tier.run_all()
-    assert terminal(b2, "r")["prefix"] == 4
+    # 4 land by 0.1 s (0.081 s); queued, the next chunk is read too (the window: 2 chunks)
+    assert [len(r.keys) // 16 for r in b2.tier.reads] == [4, 4]
+    r0 = b2.tier.reads[0]
+    b2.loop.advance(0.081)
+    b2.tier.start(r0)
+    b2.tier.finish(r0)
+    assert [len(r.keys) // 16 for r in b2.tier.reads] == [4, 4]  # still queued: one more chunk
+    b2.loop.advance(0.02)
+    b2.sm.op_demand(b2.conn, {"req": "r"})  # a candidate: the chunk not yet started is withdrawn
+    b2.loop.settle()
+    assert terminal(b2, "r")["prefix"] == 4 and not b2.tier.reads
     # a poll moving the ETA later re-plans: more hides behind the queue
     b3 = Bench(blocks=64, chunk_max_blocks=4)
     b3.tier.estimate = ReadEstimate(0.001, 0.02, 5)
@@ -495,15 +516,78 @@ def test_executor_poll_with_an_eta_replans_once_per_step():
     del c
 
 
-def test_executor_probe_when_l3_was_never_measured():
+def test_executor_a_candidate_waits_for_its_probe_only_as_long_as_a_paying_probe_takes():
+    """A scheduling candidate (ETA now) probes L3 and waits for the probe as long as a probe
+    that pays would take (its 2 blocks' prefill: 20 ms); then the session ends with what is
+    resident, the read goes on without it (an orphan), and when it lands its blocks are
+    published for the next request and the tier has measured it."""
     b = Bench(blocks=64, chunk_max_blocks=8, probe_blocks=2)
     b.tier.estimate = ReadEstimate(0.005, 0.05, 0)  # the prior: slow, no evidence
     c = b.chain("a", 40)
     b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01)
     b.tier.answer_lookups()
     assert [len(r.keys) // 16 for r in b.tier.reads] == [2]
+    b.loop.advance(0.019)
+    assert b.poll("r")["state"] == "running"  # a paying probe could still land
+    b.loop.advance(0.002)
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("cost", 0)
+    assert b.sm.counters["probes_detached"] == 1
+    assert b.take("r", c) == 0
+    assert b.books()["orphans"] == 1 and b.books()["staging"] == 2
     b.tier.run_all()
-    assert terminal(b, "r")["prefix"] == 2
+    s = b.books()
+    assert s["orphans"] == 0 and s["staging"] == 0 and s["leases"] == 0 and b.core.index.match(c) == 2
+
+
+def test_executor_a_candidates_probe_that_lands_in_time_decides_its_restore():
+    """The probe lands before its deadline (L3 fast): the candidate plans on the measurement and
+    restores the rest of its prefix (what waiting for the probe was for)."""
+    b = Bench(blocks=64, chunk_max_blocks=8, probe_blocks=2)
+    b.tier.estimate = ReadEstimate(0.005, 0.05, 0)
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    b.loop.advance(0.005)
+    b.tier.estimate = ReadEstimate(0.001, 0.001, 1)  # what the probe measures: fast
+    b.tier.run_all()
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("complete", 40) and b.sm.counters["probes_detached"] == 0
+    assert b.take("r", c) == 40 and b.books()["leases"] == 0
+
+
+def test_executor_a_queued_requests_probe_is_detached_when_it_becomes_a_candidate():
+    """Queued (ETA later), the request waits for its probe; demanded before the probe landed, it
+    stops waiting (the probe goes on as an orphan).  If the probe lands first, the session
+    plans on the measurement as before."""
+    b = Bench(blocks=64, chunk_max_blocks=8, probe_blocks=2)
+    b.tier.estimate = ReadEstimate(0.005, 0.05, 0)
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [2]
+    assert b.poll("r")["state"] == "running"  # queued: the probe may still pay for it
+    b.loop.advance(0.03)  # past the probe's deadline (a paying probe would have landed)
+    assert b.poll("r")["state"] == "running"  # queued: nothing holds a candidate yet
+    b.sm.op_demand(b.conn, {"req": "r"})
+    b.loop.settle()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("cost", 0)
+    b.tier.run_all()
+    assert b.core.index.match(c) == 2 and b.take("r", c) == 2  # (the probe landed before the GET)
+    s = b.books()
+    assert s["orphans"] == 0 and s["staging"] == 0 and s["leases"] == 0
+    # the probe lands before the demand: the session keeps what it read
+    b2 = Bench(blocks=64, chunk_max_blocks=8, probe_blocks=2)
+    b2.tier.estimate = ReadEstimate(0.005, 0.05, 0)
+    c2 = b2.chain("a", 40)
+    b2.prefetch("r", c2, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b2.tier.answer_lookups()
+    b2.tier.run_all()
+    b2.sm.op_demand(b2.conn, {"req": "r"})
+    b2.loop.settle()
+    assert terminal(b2, "r")["prefix"] >= 2 and b2.sm.counters["probes_detached"] == 0
 
 
 def test_executor_plans_on_an_estimate_measured_by_writes_without_a_probe():
@@ -560,16 +644,18 @@ REGIMES = {
     "slow_idle": dict(eta=0.0, regime=SLOW),
     "slow_slack": dict(eta=0.2, regime=SLOW),
     "unknown_prefill": dict(eta=0.2, regime=FAST, prefill_s_per_block=0.0),
-    "no_evidence": dict(eta=0.0, regime=SLOW, probe_blocks=4),
+    "no_evidence": dict(eta=0.0, regime=SLOW, probe_blocks=4),  # a candidate: waits for the probe a while
+    "no_evidence_queued": dict(eta=0.2, regime=SLOW, probe_blocks=4, unmeasured=True),  # queued: waits for it
 }
 TRIGGERS = ("chunk_done", "demand", "replan_later", "tick", "abort")
 EXPECT = {  # (regime, trigger) -> final status; unlisted: the regime's default
     ("fast", "tick"): Status.TIMEOUT, ("fast", "abort"): Status.ABORTED,
     ("slow_slack", "tick"): Status.TIMEOUT, ("slow_slack", "abort"): Status.ABORTED,
+    ("no_evidence_queued", "abort"): Status.ABORTED, ("no_evidence_queued", "tick"): Status.TIMEOUT,
     ("no_evidence", "abort"): Status.ABORTED, ("no_evidence", "tick"): Status.TIMEOUT,
 }
 DEFAULT = {"fast": Status.COMPLETE, "slow_idle": Status.COST, "slow_slack": Status.COST,
-           "unknown_prefill": Status.COST, "no_evidence": Status.COST}
+           "unknown_prefill": Status.COST, "no_evidence": Status.COST, "no_evidence_queued": Status.COST}
 
 
 def _outlook(spec, **over):
@@ -591,7 +677,10 @@ def test_every_trigger_in_every_estimate_regime(regime, trigger):
     if regime == "slow_idle":
         assert claimed == 0 and s.state == State.TERMINAL  # nothing is worth reading
     elif regime == "no_evidence":
-        assert claimed == 4  # one probe, nothing else until it has measured L3
+        # one probe; a candidate waits for it until 4 blocks' prefill (40 ms) have passed
+        assert claimed == 4 and not any(isinstance(a, Detach) for a in out) and s.probe_wake_at == 0.04
+    elif regime == "no_evidence_queued":
+        assert claimed == 4 and not any(isinstance(a, Detach) for a in out)  # the probe, awaited
     elif regime in ("slow_slack",):
         assert claimed == 11  # what lands by the ETA
     elif regime == "unknown_prefill":
@@ -719,3 +808,59 @@ def test_a_candidate_counts_only_what_is_left_of_the_query_already_out():
     assert demanded_at(0.004).state == State.QUERYING  # 18 ms from now: still pays (from now: 22)
     early = demanded_at(0.0)
     assert early.state == State.TERMINAL and early.status == Status.COST  # 22 ms from now: it does not
+
+
+# -- while another session's probe is out ----------------------------------------------------------
+def test_machine_a_queued_session_waits_for_the_evidence_not_the_prior():
+    """Queued (ETA later) while another session's probe is out: nothing is planned on the prior,
+    but the session stays open; the re-plan the measurement brings decides.  A candidate (ETA
+    now) stops instead."""
+    waiting = ol(eta=0.5, regime=FAST, unmeasured=True)
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=waiting))
+    s.handle(Start(0.0, eta_given=True))
+    a = s.handle(QueryDone(64, 0.01, waiting))
+    assert claims(a) == [] and not s.sealed and s.state == State.RUNNING and s.awaiting_evidence
+    a = s.handle(Replan(0.02, ol(eta=0.5, regime=FAST, unmeasured=True)))  # still no evidence
+    assert a == [] and s.awaiting_evidence
+    a = s.handle(Replan(0.03, ol(eta=0.5, regime=FAST)))  # measured: fast, restore it all
+    assert sum(c.count for c in claims(a)) > 0 and not s.awaiting_evidence
+    # a candidate does not wait for the evidence
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=waiting))
+    s.handle(Start(0.0, eta_given=True))
+    s.handle(QueryDone(64, 0.01, waiting))
+    a = s.handle(Demand(0.02, ol(eta=0.02, regime=FAST, unmeasured=True)))
+    assert finish(a) == Finish(Status.COST, 0, "cost") and not s.awaiting_evidence
+
+
+def test_executor_queued_sessions_replan_when_the_probe_lands():
+    """r1 (a candidate) probes; r2, queued while the probe is out, restores nothing on the
+    prior but stays open, and once the probe has measured L3 (fast) both restore their whole
+    prefix (r2 re-planned by the measurement, r1 by its own chunk); the books balance."""
+    b = Bench(blocks=256, chunk_max_blocks=8, probe_blocks=2)
+    b.tier.estimate = ReadEstimate(0.001, 0.0001, 0)  # an optimistic prior, no evidence
+    first, second = b.chain("a", 40), b.chain("b", 40)
+    b.prefetch("r1", first, policy="cost_aware", prefill_s_per_block=0.01)
+    b.tier.answer_lookups()
+    b.prefetch("r2", second, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [2]  # r1's probe only
+    assert b.poll("r1")["state"] == "running" and b.poll("r2")["state"] == "running"
+    b.tier.estimate = ReadEstimate(0.001, 0.0001, 1)  # what the probe's read measures
+    b.tier.run_all()
+    assert b.sm.counters["replans_on_evidence"] == 1
+    b.tier.run_all()
+    assert terminal(b, "r2")["prefix"] == 40 and terminal(b, "r1")["prefix"] == 40
+    assert b.take("r2", second) == 40 and b.take("r1", first) == 40
+    s = b.books()
+    assert s["staging"] == 0 and s["leases"] == 0 and s["orphans"] == 0
+
+
+def test_machine_a_candidate_detaches_its_probe_at_the_deadline():
+    o = ol(eta=0.0, regime=SLOW, probe_blocks=4, unmeasured=True)
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=o))
+    s.handle(Start(0.0))
+    a = s.handle(QueryDone(64, 0.0, o))
+    assert [c.count for c in claims(a)] == [4] and s.probe_wake_at == pytest.approx(0.04)
+    assert s.handle(Replan(0.039, ol(eta=0.039, regime=SLOW, unmeasured=True))) == []  # it may still pay
+    a = s.handle(Replan(0.04, ol(eta=0.04, regime=SLOW, unmeasured=True)))
+    assert a == [Detach(0), Finish(Status.COST, 0, "cost")] and s.probe_wake_at is None

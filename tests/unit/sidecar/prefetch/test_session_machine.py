@@ -15,6 +15,7 @@ from kvsidecar.sidecar.prefetch.machine import (
     ChunkDone,
     ChunkWithdrawn,
     ClaimShort,
+    Detach,
     Demand,
     EVENTS,
     IGNORED,
@@ -283,6 +284,10 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
                 start, count, ok = in_flight[a.chunk]
                 assert ok is not None, "dropped while its read may be in flight"
                 resolved.add(a.chunk)
+            elif isinstance(a, Detach):
+                start, count, ok = in_flight.pop(a.chunk)
+                assert ok is None, "detached after its read landed"
+                assert s.sealed and s.p.policy == Policy.COST_AWARE and a.chunk == s.probe_chunk
             elif isinstance(a, Finish):
                 finishes.append(a)
                 assert a.prefix <= published_to
