@@ -15,9 +15,9 @@ while the saving exceeds the delay, which is exactly the marginal form of the se
 
 * restore cheaper per block than prefill: keep claiming (every chunk pays for itself);
 * restore dearer: claim what lands before ``eta`` (hidden behind the queue); and while the
-  request is still queued (``eta`` later than now) one chunk at a time beyond it, because the
-  ETA is only an estimate and a queued read costs nothing until the request is a candidate;
-  the demand (ETA now) stops it.
+  request is still queued (``eta`` later than now) one chunk at a time beyond it
+  (:func:`queued_chunk`), because the ETA is only an estimate and a queued read costs nothing
+  until the request is a candidate; the demand (ETA now) stops it without waiting for it.
 
 Chunk size bounds the regret of a stop: a wrong decision costs at most one chunk's transfer.
 
@@ -133,14 +133,22 @@ def plan(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: fl
             best, best_gain = k, g
     if best == 0 and o.probe_blocks and not claimed_before:
         return min(cap, o.probe_blocks)
-    if best == 0 and o.eta > now and o.saving_per_block > 0:
-        # Queued: the ETA is an estimate (a request ahead that restores, or is skipped while it
-        # prefetches, moves it earlier; measured: off by 2x under load), and until the request
-        # becomes a scheduling candidate a read costs it nothing.  So the next chunk is read
-        # even where restoring does not pay per block; the demand re-plans with the ETA at now,
-        # and a stop then costs at most the chunk in flight (the chunk bounds the regret).
-        return cap
     return best
+
+
+def queued_chunk(o: Outlook, now: float, remaining: int, chunk_max: int) -> int:
+    """Where :func:`plan` restores nothing more: a chunk read anyway while the request is queued
+    (``eta`` later than now), 0 otherwise.  The ETA is an estimate (a request ahead that
+    restores, or is skipped while it prefetches, moves it earlier: measured off by 2x under
+    load), and until the request becomes a scheduling candidate a read costs it nothing; the
+    demand re-plans with the ETA at now and leaves reads still in flight behind (they do not
+    pay: see ``keep_admitted``), so the request never waits for one.  Not part of the plan an
+    engine that fetches the hit itself is told (it would wait for it): the block lands in the
+    pool, for this request's GET where the engine takes what is resident, and for the next
+    request of the prefix.  Nothing without evidence about L3 or anything to save."""
+    if o.eta <= now or o.unmeasured or o.saving_per_block <= 0 or remaining <= 0:
+        return 0
+    return min(remaining, chunk_size(o, chunk_max))
 
 
 def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: float,

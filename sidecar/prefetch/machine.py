@@ -30,7 +30,10 @@ Guarantees (checked by the property tests):
   lowers the request's expected TTFT, from the latest :class:`Outlook` an event brought
   (``Demand`` is a re-plan with the ETA at *now*, not a seal); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
-  worth reading.  ``budget_s`` (the deadline) is an optional cap, as for ``timeout``.
+  worth reading; when they are not (restoring does not pay per block and they land after the
+  prefill could start), it does not wait for reads in flight either (``drain`` False: the
+  executor leaves them behind as orphans, published if they land in order).
+  ``budget_s`` (the deadline) is an optional cap, as for ``timeout``.
   While another session's probe is out (no read has measured L3), a queued session plans
   nothing on the prior and stays open (``awaiting_evidence``) until a re-plan brings the
   measurement; a scheduling candidate stops then with what it has.
@@ -270,6 +273,7 @@ class Session:
         self.probe_chunk = -1  # the first claim was a probe (read for the estimate: planned on the prior, or no gain)
         self.plan_end = p.resident  # where the last cost decision meant to restore to (``planned``)
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
+        self.drain = True  # after the seal: reads in flight are waited for (False: left behind, as orphans)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -412,6 +416,8 @@ class Session:
                             self.claimed_any, self.queued_s)
         self.plan_end = self.next_pos + planned
         n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
+        if n == 0:  # (read while queued, beyond the plan: never waited for)
+            n = cost.queued_chunk(o, now, self.target - self.next_pos, self.p.chunk_max_blocks)
         if n == 0 and self._awaits_evidence(o):
             return 0  # another session's probe is out: its measurement decides (Replan), not the prior
         if n == 0:
@@ -419,7 +425,8 @@ class Session:
             if keep and self.in_flight:
                 return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
             self._seal(Status.COST, "cost")
-            self.keep_admitted = keep  # False: withdraw what has not started
+            self.keep_admitted = keep  # False: withdraw what has not started,
+            self.drain = keep  # and leave what is in flight behind (waiting would cost more than recomputing)
             return 0
         if not commit:
             return 0

@@ -44,11 +44,14 @@ def test_a_queued_request_reads_one_chunk_even_when_nothing_lands_before_its_eta
     """The backlog eats the slack: nothing lands by the ETA.  Queued, the request still reads
     one chunk (the ETA is an estimate and a queued read costs nothing until the demand); a
     scheduling candidate (ETA now) reads nothing."""
-    assert cost.next_claim(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 32
-    assert cost.plan(ol(eta=0.2, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 32  # (not all 100)
-    assert cost.next_claim(ol(eta=0.0, regime=SLOW, backlog_s=0.25), 0.0, 100, 32, 0.0, False) == 0
+    queued = ol(eta=0.2, regime=SLOW, backlog_s=0.25)
+    assert cost.next_claim(queued, 0.0, 100, 32, 0.0, False) == 0  # the plan: nothing pays
+    assert cost.queued_chunk(queued, 0.0, 100, 32) == 32  # read anyway, outside the plan
+    assert cost.queued_chunk(queued, 0.0, 5, 32) == 5
+    assert cost.queued_chunk(ol(eta=0.0, regime=SLOW, backlog_s=0.25), 0.0, 100, 32) == 0  # a candidate
+    assert cost.queued_chunk(ol(eta=0.2, regime=SLOW, unmeasured=True), 0.0, 100, 32) == 0  # no evidence
     unknown = Outlook(eta=0.2, prefill_s_per_block=0.0, **SLOW)  # nothing to save: no read
-    assert cost.next_claim(unknown, 0.0, 100, 32, 0.0, False) == 0
+    assert cost.queued_chunk(unknown, 0.0, 100, 32) == 0
 
 
 def test_latency_larger_than_the_saving_of_a_short_tail_is_not_paid():
@@ -215,11 +218,11 @@ def test_machine_slow_l3_with_slack_reads_behind_the_queue_until_the_demand():
 
 def test_machine_planned_is_what_cost_aware_will_restore_not_the_whole_hit():
     """An engine that fetches the hit itself (SGLang's batch_exists) is told ``planned``: here
-    the 11 of 64 hit blocks that land by the eta and, while queued, the next chunk (8), so it
-    never waits for the other 45; once a candidate, only what is claimed."""
+    the 11 of 64 hit blocks that land by the eta (not the chunk it reads beyond them while
+    queued: the engine would wait for it), so it never waits for the other 53."""
     s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
     s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
-    assert (s.target, s.planned) == (64, 19)
+    assert (s.target, s.planned) == (64, 11)
     s.handle(Demand(0.2, ol(eta=0.2, regime=SLOW)))
     run_to_end(s, 0.21)
     assert s.planned == 11 == s.published
@@ -438,10 +441,10 @@ def test_executor_cost_aware_slow_l3_demand_withdraws_queued_reads():
     b.sm.op_demand(b.conn, {"req": "r"})
     b.loop.settle()
     assert second.state == "cancelled"  # dearer than prefill, nothing left to hide behind
+    p = terminal(b, "r")  # and the read in flight is not waited for
+    assert (p["status"], p["prefix"], p["reason"]) == ("cost", 0, "cost")
     b.tier.finish(first)
-    p = terminal(b, "r")
-    assert (p["status"], p["prefix"], p["reason"]) == ("cost", 4, "cost")
-    b.take("r", c)
+    assert b.take("r", c) == 4  # (it landed before the GET: an orphan, published)
     assert b.books()["staging"] == 0 and b.books()["leases"] == 0
 
 
@@ -864,3 +867,43 @@ def test_machine_a_candidate_detaches_its_probe_at_the_deadline():
     assert s.handle(Replan(0.039, ol(eta=0.039, regime=SLOW, unmeasured=True))) == []  # it may still pay
     a = s.handle(Replan(0.04, ol(eta=0.04, regime=SLOW, unmeasured=True)))
     assert a == [Detach(0), Finish(Status.COST, 0, "cost")] and s.probe_wake_at is None
+
+
+def test_executor_a_cost_stop_leaves_reads_in_flight_behind_instead_of_waiting():
+    """Restoring dearer than prefill, queued: the session reads; demanded, it stops.  The read
+    not started is withdrawn; the one in flight is not waited for (waiting costs more than
+    recomputing its blocks): it goes on as an orphan and its blocks are published when they
+    land.  The request's prefill starts at once with what was published."""
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.02, 5)  # 2x the prefill cost per block
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    r0, r1 = b.tier.reads
+    b.tier.start(r0)
+    b.loop.advance(0.01)
+    b.sm.op_demand(b.conn, {"req": "r"})
+    b.loop.settle()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("cost", 0)
+    assert r1.state == "cancelled" and b.sm.counters["chunks_left_on_cost"] == 1
+    assert b.sm.counters["chunks_abandoned"] == 0  # (not the drain budget)
+    assert b.books()["orphans"] == 1
+    b.tier.finish(r0)
+    s = b.books()
+    assert s["orphans"] == 0 and s["staging"] == 0 and b.core.index.match(c) == 4
+    assert b.take("r", c) == 4 and b.books()["leases"] == 0
+
+
+def test_executor_a_cost_stop_whose_reads_still_pay_waits_for_them():
+    """Restoring cheaper than prefill: a demand keeps the reads (they pay), nothing is left."""
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.002, 5)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    b.tier.start(b.tier.reads[0])
+    b.sm.op_demand(b.conn, {"req": "r"})
+    b.loop.settle()
+    b.tier.run_all()
+    assert terminal(b, "r")["prefix"] == 8 and b.sm.counters["chunks_left_on_cost"] == 0
