@@ -17,7 +17,7 @@ while the saving exceeds the delay, which is exactly the marginal form of the se
 * restore dearer: claim what lands before ``eta`` (hidden behind the queue); and while the
   request is still queued (``eta`` later than now) one chunk at a time beyond it
   (:func:`queued_chunk`), because the ETA is only an estimate and a queued read costs nothing
-  until the request is a candidate; the demand (ETA now) stops it without waiting for it.
+  until the request is a candidate; the demand (ETA now) stops it.
 
 Chunk size bounds the regret of a stop: a wrong decision costs at most one chunk's transfer.
 
@@ -141,8 +141,8 @@ def queued_chunk(o: Outlook, now: float, remaining: int, chunk_max: int) -> int:
     (``eta`` later than now), 0 otherwise.  The ETA is an estimate (a request ahead that
     restores, or is skipped while it prefetches, moves it earlier: measured off by 2x under
     load), and until the request becomes a scheduling candidate a read costs it nothing; the
-    demand re-plans with the ETA at now and leaves reads still in flight behind (they do not
-    pay: see ``keep_admitted``), so the request never waits for one.  Not part of the plan an
+    demand re-plans with the ETA at now and withdraws what has not started (``keep_admitted``),
+    so the request waits at most for the chunk in flight (the chunk bounds the regret).  Not part of the plan an
     engine that fetches the hit itself is told (it would wait for it): the block lands in the
     pool, for this request's GET where the engine takes what is resident, and for the next
     request of the prefix.  Nothing without evidence about L3 or anything to save."""

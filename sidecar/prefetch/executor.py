@@ -69,8 +69,6 @@ class SessionExecutor:
                     break
                 withdrawn = True
                 queue.extend(self.withdraw_queued(rec))
-                if not m.drain:  # (a cost stop: waiting for reads in flight costs more than recomputing)
-                    queue.extend(self.abandon_in_flight(rec, why="cost"))
                 continue
             a = queue.popleft()
             if isinstance(a, Query):
@@ -214,27 +212,22 @@ class SessionExecutor:
             out += rec.machine.handle(ChunkWithdrawn(chunk, self.clock()))
         return out
 
-    def abandon_in_flight(self, rec: Record, why: str = "drain budget") -> list:
-        """Stop waiting on reads still in flight (they become orphans): the drain budget ran out,
-        or (``why="cost"``) a cost stop found waiting dearer than recomputing.  Returns the
-        machine's actions; the caller runs them and wakes the session's waiters."""
+    def abandon_in_flight(self, rec: Record) -> list:
+        """The drain budget ran out: stop waiting on reads still in flight (they become orphans).
+        Returns the machine's actions; the caller runs them and wakes the session's waiters."""
         now = self.clock()
         actions = []
-        left = 0
         for chunk, io in list(rec.chunks.items()):
             if not rec.machine.chunk_pending(chunk):
                 continue  # its data landed (it waits for a predecessor) or it is being dropped
             del rec.chunks[chunk]
             self.pool.leave_behind(io.plan, rec.machine.published)
-            left += 1
-            if why == "cost":
-                self.counters["chunks_left_on_cost"] += 1
-            else:
-                rec.abandoned += 1
-                self.counters["chunks_abandoned"] += 1
+            rec.abandoned += 1
+            self.counters["chunks_abandoned"] += 1
             actions += rec.machine.handle(ChunkAbandoned(chunk, now))
-        if left and why != "cost":
-            log.warning("session %d: %s ran out, %d chunk(s) still in flight left behind", rec.id, why, left)
+        if rec.abandoned:
+            log.warning("session %d: drain budget ran out, %d chunk(s) still in flight left behind",
+                        rec.id, rec.abandoned)
         return actions
 
 

@@ -30,9 +30,8 @@ Guarantees (checked by the property tests):
   lowers the request's expected TTFT, from the latest :class:`Outlook` an event brought
   (``Demand`` is a re-plan with the ETA at *now*, not a seal); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
-  worth reading; when they are not (restoring does not pay per block and they land after the
-  prefill could start), it does not wait for reads in flight either (``drain`` False: the
-  executor leaves them behind as orphans, published if they land in order).
+  worth reading (reads in flight are always waited for: under load the engine serves other
+  requests meanwhile, and recomputing would add to the engine's work, the bottleneck).
   ``budget_s`` (the deadline) is an optional cap, as for ``timeout``.
   While another session's probe is out (no read has measured L3), a queued session plans
   nothing on the prior and stays open (``awaiting_evidence``) until a re-plan brings the
@@ -273,7 +272,6 @@ class Session:
         self.probe_chunk = -1  # the first claim was a probe (read for the estimate: planned on the prior, or no gain)
         self.plan_end = p.resident  # where the last cost decision meant to restore to (``planned``)
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
-        self.drain = True  # after the seal: reads in flight are waited for (False: left behind, as orphans)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -425,8 +423,7 @@ class Session:
             if keep and self.in_flight:
                 return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
             self._seal(Status.COST, "cost")
-            self.keep_admitted = keep  # False: withdraw what has not started,
-            self.drain = keep  # and leave what is in flight behind (waiting would cost more than recomputing)
+            self.keep_admitted = keep  # False: withdraw what has not started
             return 0
         if not commit:
             return 0
