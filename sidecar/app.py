@@ -30,6 +30,7 @@ from kvsidecar.sidecar.config import SidecarConfig, load_config
 from kvsidecar.sidecar.kv.ops import KVCore
 from kvsidecar.sidecar.kv.state import KVState
 from kvsidecar.sidecar.l3.base import L3Error
+from kvsidecar.sidecar.l3.calibrate import Calibration
 from kvsidecar.sidecar.l3.tier import L3Tier
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel
 from kvsidecar.sidecar.l3.ops import L3Ops
@@ -79,6 +80,7 @@ class SidecarApp:
         self.loop = None
         self.master = None
         self.tier = None
+        self.calibration = None  # (owns the scratch mapping registered with the backend: lives as long)
         self.metrics = None
         self.populator = None  # the sidecar's own mapping, populated after ready (with an L3)
         self._closed = False
@@ -140,6 +142,10 @@ class SidecarApp:
                     self.loop.mount(service)
             if self.tier is not None:
                 self.tier.start()
+                if cfg.l3.calibration_blocks:  # the estimate measured before the first request needs it
+                    self.calibration = Calibration(self.tier, cfg.l3.calibration_blocks,
+                                                   on_done=lambda measured: self.sessions.evidence_landed())
+                    self.loop.post(self.calibration.start)
             if self.metrics is not None:
                 self.metrics.start()
         except BaseException:

@@ -95,6 +95,9 @@ class L3Config:
     # conservative (slow) on purpose: before evidence it restores only what hides behind the queue
     cost_prior_latency_ms: float = 5.0
     cost_prior_mb_per_s: float = 10.0
+    # at start, the tier writes this many scratch objects and reads them back (1, then all) so
+    # that the estimate is measured before the first request (kvsidecar.sidecar.l3.calibrate); 0: off
+    calibration_blocks: int = 4
     # shaping / faults (tests and benchmarks)
     latency_ms: float = 0.0
     bandwidth_mbps: float = 0.0
@@ -202,6 +205,8 @@ class SidecarConfig:
             raise ConfigError(f"sessions policies must be one of {policies}")
         if self.sessions.chunk_max_blocks <= 0 or self.sessions.window <= 0:
             raise ConfigError("sessions.chunk_max_blocks and sessions.window must be positive")
+        if not 0 <= self.l3.calibration_blocks <= 64:
+            raise ConfigError("l3.calibration_blocks must be in 0..64")
         if not (self.l3.cost_prior_latency_ms >= 0 and self.l3.cost_prior_mb_per_s > 0):
             raise ConfigError("l3.cost_prior_latency_ms must be >= 0 and l3.cost_prior_mb_per_s > 0")
         if not (self.sessions.prefill_s_per_block >= 0 and self.sessions.load_s_per_block >= 0

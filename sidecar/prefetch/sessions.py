@@ -63,7 +63,7 @@ class SessionManager(Service):
         self.executor = SessionExecutor(self.pool, tier, self.host, self.clock, self._counters,
                                         query_done=self._query_done, chunk_done=self._chunk_done,
                                         finished=self._finish, session_of=self.by_id.get,
-                                        read_ended=self._read_ended)
+                                        read_ended=self.evidence_landed)
         self._awaiting_evidence: set[int] = set()  # cost_aware sessions open for an L3 measurement
 
     @property
@@ -324,9 +324,10 @@ class SessionManager(Service):
             now = self.clock()
             self._run(rec, rec.machine.handle(Replan(now, self._outlook(rec, now))))
 
-    def _read_ended(self) -> None:
-        """An L3 read ended (a session's, or a detached probe's): once the estimate is measured,
-        the sessions that were waiting for it re-plan (oldest first: the read lane's order)."""
+    def evidence_landed(self) -> None:
+        """An L3 read ended (a session's, a detached probe's, the tier's calibration at start):
+        once the estimate is measured, the sessions that were waiting for it re-plan (oldest
+        first: the read lane's order).  Control thread."""
         if not self._awaiting_evidence or self.tier is None or not self.tier.read_outlook().estimate.measured:
             return
         now = self.clock()

@@ -16,6 +16,7 @@ from kvsidecar.sidecar.l3.filestore import FileStore
 from kvsidecar.sidecar.l3.shaped import ShapedBackend
 
 from .. import helpers
+from ..waiting import wait_until
 
 
 def buf(n):
@@ -151,7 +152,7 @@ def test_restore_publishes_only_the_prefix_before_a_failure(sidecar_factory, ins
     sp.stop()
     # corrupt block 6's file on disk: the restore must stop at block 6
     files = sorted((os.path.getmtime(os.path.join(r, f)), os.path.join(r, f))
-                   for r, _, fs in os.walk(tmp_path / "l3") for f in fs)
+                   for r, _, fs in os.walk(tmp_path / "l3") for f in fs if "_calibration_" not in f)
     assert len(files) == 10
     from kvsidecar.connector.hashing import BlockHasher
 
@@ -178,3 +179,35 @@ def test_shaped_failures_through_the_sidecar(sidecar_factory, instance, tmp_path
     r, n, out, s = restore_and_load(instance, tokens, 16)
     assert r["restored"] == expect and n == expect and same(kv, out, expect)
     assert s["pool"]["staging"] == 0
+
+
+def _l3_stats(instance) -> dict:
+    with KVConnector(instance, LAY) as c:
+        return c.stats()["l3"]
+
+
+@pytest.mark.parametrize("blocks", [4, 0])
+def test_the_tier_measures_itself_at_start(sidecar_factory, instance, tmp_path, blocks):
+    """A fresh sidecar writes scratch objects to L3 and reads them back (1, then all) before any
+    request: the read-cost estimate is measured, not the prior (5 ms + 10 MB/s), and close to
+    the shaping (2 ms + 1 MB/s).  With ``l3.calibration_blocks = 0`` nothing is read."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.calibration_blocks": blocks, "l3.latency_ms": 2.0,
+                                             "l3.bandwidth_mbps": 8.0}))
+    if blocks:
+        l3 = wait_until(lambda: _l3_stats(instance), 10.0, "the calibration reads",
+                        until=lambda l3: l3.get("calibration_reads", 0) >= 2)
+    else:
+        l3 = _l3_stats(instance)
+    cost = l3["cost"]
+    if not blocks:
+        assert l3.get("calibration_reads", 0) == 0 and cost["samples"] == 0
+        assert not os.path.exists(tmp_path / "l3") or not any(os.scandir(tmp_path / "l3"))
+        return
+    assert l3["calibration_reads"] == 2 and cost["samples"] == 2
+    per_block_ms = LAY.block_bytes / 1e6 * 1e3  # 1 MB/s
+    for n in (1, 4):  # the reads it made, as the estimate predicts them (the prior says 5.1 / 5.4 ms)
+        predicted = cost["latency_ms"] + n * cost["s_per_block_us"] / 1e3
+        shaped = 2.0 + n * per_block_ms
+        assert 0.65 * shaped <= predicted <= 1.5 * shaped, (n, predicted, shaped, cost)
+    files = [f for _, _, fs in os.walk(tmp_path / "l3") for f in fs]
+    assert len(files) == 4 and all("_calibration_" in f for f in files), files

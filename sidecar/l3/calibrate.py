@@ -1,0 +1,109 @@
+"""Measuring the L3 tier at start, before the first request needs the estimate.
+
+A fresh sidecar's read-cost estimate is the configured prior (measured: 40x off at 2 Mbit/s)
+until a read or a write of its own lands.  Without evidence ``cost_aware`` has to probe with the
+first request's blocks: the request waits for the probe (or gives it up) and is decided on a
+guess; requests that come while it is out restore nothing (the real table: the first request
+of a run waited for its probe while the next one was admitted ahead of it, +100 ms on every
+request of the congestion that followed).  So the tier measures itself as it starts:
+
+1. it writes ``blocks`` scratch objects (one write: the write estimate, the evidence until a
+   read lands; a backend that will not overwrite an object it already holds refuses, and the
+   objects of an earlier start are read as they are: any object of the block size measures
+   the same);
+2. it reads one of them back, then all of them: two sizes, so the estimator can split the
+   fixed cost of a read from its per-block cost.
+
+The scratch memory is this module's own anonymous mapping, registered with the backend like
+the pool: the pool's blocks are never touched, so there is no block state to account for, and
+no request can see these bytes.  Keys: ``<tier prefix>/_calibration/<i>`` — a fixed, small set
+per layout (``blocks`` objects), never a request's key (those are block hashes under a
+namespace).  The reads and writes run on the tier's own lanes (a request's read that comes
+meanwhile queues behind at most these two).  A failure measures nothing (the estimate stays
+the prior and sessions probe as before) and never fails the sidecar.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import time
+
+log = logging.getLogger(__name__)
+
+
+class Calibration:
+    """One measurement of the tier (``L3Tier``), started once on the control thread;
+    ``on_done(measured)`` runs there when it ends (``measured``: a read was observed)."""
+
+    def __init__(self, tier, blocks: int, on_done=None):
+        if blocks < 1:
+            raise ValueError("Calibration needs at least one block")
+        self.tier = tier
+        self.blocks = blocks
+        self.on_done = on_done
+        size = tier.block_bytes
+        self._map = mmap.mmap(-1, blocks * size)
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.keys = [f"{tier.prefix}/_calibration/{i}" for i in range(blocks)]
+        self.addrs = [self._address + i * size for i in range(blocks)]
+        self.result: dict = {"state": "idle"}
+
+    def start(self) -> None:
+        """Register the scratch mapping and queue the write (control thread)."""
+        try:
+            self.tier.backend.register_pool(self._address, len(self._map))
+        except Exception as exc:  # (a backend that cannot register more memory: no calibration)
+            self._end(f"register failed: {exc}")
+            return
+        self.result = {"state": "running"}
+        self.tier.writer.submit(self._timed(self.tier.backend.write, self.blocks), self._written)
+
+    def _timed(self, op, n: int):
+        keys, addrs, size = self.keys[:n], self.addrs[:n], self.tier.block_bytes
+
+        def work():
+            t0 = time.monotonic()
+            ok = op(keys, addrs, size)
+            return list(ok), time.monotonic() - t0
+        return work
+
+    def _written(self, result, error) -> None:
+        ok, seconds = result if error is None and result is not None else ([False], 0.0)
+        if all(ok):
+            self.tier.cost.observe_write(self.blocks, seconds)
+        self.result["write_ms"] = round(seconds * 1e3, 3)
+        self._read(1)
+
+    def _read(self, n: int) -> None:
+        self.tier.reader.submit(self._timed(self.tier.backend.read, n),
+                                lambda result, error: self._landed(n, result, error), weight=n)
+
+    def _landed(self, n: int, result, error) -> None:
+        ok, seconds = result if error is None and result is not None else ([False], 0.0)
+        if not all(ok):
+            self._end(f"the read of {n} block(s) failed" + (f": {error}" if error is not None else ""))
+            return
+        self.tier.cost.observe(n, seconds)
+        self.tier.counters["calibration_reads"] += 1
+        self.result[f"read_{n}_ms"] = round(seconds * 1e3, 3)
+        if n < self.blocks:
+            self._read(self.blocks)
+            return
+        self._end(None)
+
+    def _end(self, failure: str | None) -> None:
+        est = self.tier.cost.estimate()
+        measured = failure is None
+        self.result.update(state="done" if measured else "failed", latency_ms=round(est.latency_s * 1e3, 3),
+                           ms_per_block=round(est.s_per_block * 1e3, 4))
+        if measured:
+            log.info("L3 measured at start: %.2f ms + %.3f ms/block (%s)", est.latency_s * 1e3,
+                     est.s_per_block * 1e3, self.result)
+        else:
+            self.result["failure"] = failure
+            self.tier.counters["calibration_failed"] += 1
+            log.warning("L3 calibration at start measured nothing (%s): cost_aware probes instead", failure)
+        if self.on_done is not None:
+            self.on_done(measured)
