@@ -84,6 +84,7 @@ class SimParams:
     wake_s: float = 0.0  # a queued request's session ended, the engine idle -> its next scan (calibration)
     turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
     skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
+    calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
 
     @property
     def l3_s_per_block(self) -> float:

@@ -48,7 +48,9 @@ class ReadGate:
         self._sem = posix_ipc.Semaphore(self.name, posix_ipc.O_CREX, initial_value=0)
 
     def overrides(self) -> dict:
-        return {"l3.read_gate": self.name}
+        # (the tier's calibration at start is reads no request made: the gate would hold them
+        # first, and "a read is held" would no longer mean a session's read)
+        return {"l3.read_gate": self.name, "l3.calibration_blocks": 0}
 
     def open(self) -> None:
         """Let every read through (held ones and later ones): each read takes and gives back the

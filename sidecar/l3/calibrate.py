@@ -5,22 +5,20 @@ until a read or a write of its own lands.  Without evidence ``cost_aware`` has t
 first request's blocks: the request waits for the probe (or gives it up) and is decided on a
 guess; requests that come while it is out restore nothing (the real table: the first request
 of a run waited for its probe while the next one was admitted ahead of it, +100 ms on every
-request of the congestion that followed).  So the tier measures itself as it starts:
+request of the congestion that followed).  So the tier measures itself as it starts: it writes
+one scratch object, then ``blocks`` of them — two sizes, so the fit can split the fixed cost of
+a call from its per-block cost — and the estimate rests on those writes, as on the write-behind's,
+until the first read lands (``ReadCostModel.observe_write``: the same link, the same fit; reads
+decide from then on).
 
-1. it writes ``blocks`` scratch objects (one write: the write estimate, the evidence until a
-   read lands; a backend that will not overwrite an object it already holds refuses, and the
-   objects of an earlier start are read as they are: any object of the block size measures
-   the same);
-2. it reads one of them back, then all of them: two sizes, so the estimator can split the
-   fixed cost of a read from its per-block cost.
-
-The scratch memory is this module's own anonymous mapping, registered with the backend like
-the pool: the pool's blocks are never touched, so there is no block state to account for, and
-no request can see these bytes.  Keys: ``<tier prefix>/_calibration/<i>`` — a fixed, small set
-per layout (``blocks`` objects), never a request's key (those are block hashes under a
-namespace).  The reads and writes run on the tier's own lanes (a request's read that comes
-meanwhile queues behind at most these two).  A failure measures nothing (the estimate stays
-the prior and sessions probe as before) and never fails the sidecar.
+Writes only, on the tier's write lane: a read lane is never occupied by the calibration, so a
+request's read never waits behind it (nor behind a calibration that hangs in a stuck tier).
+The scratch memory is this module's own anonymous mapping, registered with the backend like the
+pool: the pool's blocks are never touched, so there is no block state to account for, and no
+request can see these bytes.  Keys: ``<tier prefix>/_calibration/<i>`` — a fixed, small set per
+layout (``blocks`` objects), never a request's key (those are block hashes under a namespace).
+A failure measures nothing (the estimate stays the prior and sessions probe as before,
+``calibration_failed`` in the L3 stats) and never fails the sidecar.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class Calibration:
     """One measurement of the tier (``L3Tier``), started once on the control thread;
-    ``on_done(measured)`` runs there when it ends (``measured``: a read was observed)."""
+    ``on_done(measured)`` runs there when it ends (``measured``: both writes were observed)."""
 
     def __init__(self, tier, blocks: int, on_done=None):
         if blocks < 1:
@@ -51,45 +49,35 @@ class Calibration:
         self.result: dict = {"state": "idle"}
 
     def start(self) -> None:
-        """Register the scratch mapping and queue the write (control thread)."""
+        """Register the scratch mapping and queue the first write (control thread)."""
         try:
             self.tier.backend.register_pool(self._address, len(self._map))
         except Exception as exc:  # (a backend that cannot register more memory: no calibration)
             self._end(f"register failed: {exc}")
             return
         self.result = {"state": "running"}
-        self.tier.writer.submit(self._timed(self.tier.backend.write, self.blocks), self._written)
+        self._write(1)
 
-    def _timed(self, op, n: int):
+    def _write(self, n: int) -> None:
         keys, addrs, size = self.keys[:n], self.addrs[:n], self.tier.block_bytes
+        backend = self.tier.backend
 
         def work():
             t0 = time.monotonic()
-            ok = op(keys, addrs, size)
+            ok = backend.write(keys, addrs, size)
             return list(ok), time.monotonic() - t0
-        return work
 
-    def _written(self, result, error) -> None:
-        ok, seconds = result if error is None and result is not None else ([False], 0.0)
-        if all(ok):
-            self.tier.cost.observe_write(self.blocks, seconds)
-        self.result["write_ms"] = round(seconds * 1e3, 3)
-        self._read(1)
+        self.tier.writer.submit(work, lambda result, error: self._written(n, result, error))
 
-    def _read(self, n: int) -> None:
-        self.tier.reader.submit(self._timed(self.tier.backend.read, n),
-                                lambda result, error: self._landed(n, result, error), weight=n)
-
-    def _landed(self, n: int, result, error) -> None:
+    def _written(self, n: int, result, error) -> None:
         ok, seconds = result if error is None and result is not None else ([False], 0.0)
         if not all(ok):
-            self._end(f"the read of {n} block(s) failed" + (f": {error}" if error is not None else ""))
+            self._end(f"the write of {n} block(s) failed" + (f": {error}" if error is not None else ""))
             return
-        self.tier.cost.observe(n, seconds)
-        self.tier.counters["calibration_reads"] += 1
-        self.result[f"read_{n}_ms"] = round(seconds * 1e3, 3)
+        self.tier.cost.observe_write(n, seconds)  # (``write_samples`` in the L3 stats until a read)
+        self.result[f"write_{n}_ms"] = round(seconds * 1e3, 3)
         if n < self.blocks:
-            self._read(self.blocks)
+            self._write(self.blocks)
             return
         self._end(None)
 
