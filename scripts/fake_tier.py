@@ -160,9 +160,9 @@ class VirtualL3(FakeTier):
         self.drop_at_s = drop_at_s
         self.cost = ReadCostModel(0.005, 0.020)  # a conservative prior (slower than every regime here)
         n = getattr(p, "calibration_blocks", 0)
-        if n:  # the real tier writes scratch objects as it starts (kvsidecar.sidecar.l3.calibrate): the
-            for k in (1, n):  # same link, so the same cost per call as a read here, before any traffic
-                self.cost.observe_write(k, p.l3_latency_s + k * p.l3_s_per_block)
+        if n:  # the real tier writes scratch objects as it starts and reads them back, 1 then all
+            for k in (1, n):  # (kvsidecar.sidecar.l3.calibrate), before any traffic
+                self.cost.observe(k, p.l3_latency_s + k * p.l3_s_per_block)
         self._queue: list = []
         self.busy: FakeRead | None = None
         self.busy_until = 0.0

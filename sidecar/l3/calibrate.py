@@ -6,19 +6,21 @@ first request's blocks: the request waits for the probe (or gives it up) and is 
 guess; requests that come while it is out restore nothing (the real table: the first request
 of a run waited for its probe while the next one was admitted ahead of it, +100 ms on every
 request of the congestion that followed).  So the tier measures itself as it starts: it writes
-one scratch object, then ``blocks`` of them — two sizes, so the fit can split the fixed cost of
-a call from its per-block cost — and the estimate rests on those writes, as on the write-behind's,
-until the first read lands (``ReadCostModel.observe_write``: the same link, the same fit; reads
-decide from then on).
+one scratch object, then ``blocks`` of them, and reads them back the same way (1, then all) —
+two sizes each, so the fit can split the fixed cost of a call from its per-block cost.  The
+reads are the estimate (``ReadCostModel.observe``); the writes only until a read lands (a write
+can cost far more than a read: on the file store at 0.3x the prefill cost per block, a write
+estimate alone made cost_aware recompute every idle request, and at an idle engine nothing is
+read that would correct it).
 
-Writes only, on the tier's write lane: a read lane is never occupied by the calibration, so a
-request's read never waits behind it (nor behind a calibration that hangs in a stuck tier).
+Everything runs on the tier's write lane: the read lane is never taken from a request (nor held
+by a calibration read in a stuck tier); at start the write-behind has nothing to put yet.
 The scratch memory is this module's own anonymous mapping, registered with the backend like the
 pool: the pool's blocks are never touched, so there is no block state to account for, and no
 request can see these bytes.  Keys: ``<tier prefix>/_calibration/<i>`` — a fixed, small set per
 layout (``blocks`` objects), never a request's key (those are block hashes under a namespace).
-A failure measures nothing (the estimate stays the prior and sessions probe as before,
-``calibration_failed`` in the L3 stats) and never fails the sidecar.
+A failure measures nothing more (the estimate stays what was measured, else the prior, and
+sessions probe as before; ``calibration_failed`` in the L3 stats) and never fails the sidecar.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 class Calibration:
     """One measurement of the tier (``L3Tier``), started once on the control thread;
-    ``on_done(measured)`` runs there when it ends (``measured``: both writes were observed)."""
+    ``on_done(measured)`` runs there when it ends (``measured``: every write and read was observed)."""
 
     def __init__(self, tier, blocks: int, on_done=None):
         if blocks < 1:
@@ -78,6 +80,31 @@ class Calibration:
         self.result[f"write_{n}_ms"] = round(seconds * 1e3, 3)
         if n < self.blocks:
             self._write(self.blocks)
+            return
+        self._read(1)
+
+    def _read(self, n: int) -> None:
+        """Read back on the write lane (never the read lane: a request's read must not wait
+        behind the calibration); the call is the backend's read, the one a restore makes."""
+        keys, addrs, size = self.keys[:n], self.addrs[:n], self.tier.block_bytes
+        backend = self.tier.backend
+
+        def work():
+            t0 = time.monotonic()
+            ok = backend.read(keys, addrs, size)
+            return list(ok), time.monotonic() - t0
+
+        self.tier.writer.submit(work, lambda result, error: self._read_back(n, result, error))
+
+    def _read_back(self, n: int, result, error) -> None:
+        ok, seconds = result if error is None and result is not None else ([False], 0.0)
+        if not all(ok):  # (the writes measured the link: they stay the estimate until a read lands)
+            self._end(f"the read of {n} block(s) failed" + (f": {error}" if error is not None else ""))
+            return
+        self.tier.cost.observe(n, seconds)  # (``samples`` in the L3 stats)
+        self.result[f"read_{n}_ms"] = round(seconds * 1e3, 3)
+        if n < self.blocks:
+            self._read(self.blocks)
             return
         self._end(None)
 

@@ -188,26 +188,26 @@ def _l3_stats(instance) -> dict:
 
 @pytest.mark.parametrize("blocks", [4, 0])
 def test_the_tier_measures_itself_at_start(sidecar_factory, instance, tmp_path, blocks):
-    """A fresh sidecar writes scratch objects to L3 (1, then 4) before any request: the read-cost
-    estimate rests on those writes, not on the prior (5 ms + 10 MB/s), and predicts the shaped
-    link (2 ms + 1 MB/s).  No read is made (the read lane stays free for requests).  With
-    ``l3.calibration_blocks = 0`` nothing is written."""
+    """A fresh sidecar writes scratch objects to L3 and reads them back (1, then 4) before any
+    request, all on its write lane: the read-cost estimate rests on two reads, not on the prior
+    (5 ms + 10 MB/s), and predicts the shaped link (2 ms + 1 MB/s); the read lane ran nothing.
+    With ``l3.calibration_blocks = 0`` nothing is written or read."""
     sidecar_factory(**overrides(tmp_path, **{"l3.calibration_blocks": blocks, "l3.latency_ms": 2.0,
                                              "l3.bandwidth_mbps": 8.0}))
     if blocks:
-        l3 = wait_until(lambda: _l3_stats(instance), 10.0, "the calibration writes",
-                        until=lambda l3: l3["cost"].get("write_samples", 0) >= 2 or "calibration_failed" in l3)
+        l3 = wait_until(lambda: _l3_stats(instance), 10.0, "the calibration",
+                        until=lambda l3: l3["cost"]["samples"] >= 2 or "calibration_failed" in l3)
     else:
         l3 = _l3_stats(instance)
     cost = l3["cost"]
-    assert cost["samples"] == 0 and "calibration_failed" not in l3 and l3["read"]["jobs"] == 0, l3
+    assert "calibration_failed" not in l3 and l3["read"]["jobs"] == 0, l3
     if not blocks:
-        assert "write_samples" not in cost
+        assert cost["samples"] == 0 and "write_samples" not in cost and l3["write"]["jobs"] == 0
         assert not os.path.exists(tmp_path / "l3") or not any(os.scandir(tmp_path / "l3"))
         return
-    assert cost["write_samples"] == 2
+    assert cost["samples"] == 2 and l3["write"]["jobs"] == 4
     per_block_ms = LAY.block_bytes / 1e6 * 1e3  # 1 MB/s
-    for n in (1, 4):  # the calls it made, as the estimate predicts them (the prior says 5.1 / 5.4 ms)
+    for n in (1, 4):  # the reads it made, as the estimate predicts them (the prior says 5.1 / 5.4 ms)
         predicted = cost["latency_ms"] + n * cost["s_per_block_us"] / 1e3
         shaped = 2.0 + n * per_block_ms
         assert 0.65 * shaped <= predicted <= 1.5 * shaped, (n, predicted, shaped, cost)

@@ -218,12 +218,12 @@ def test_sessions_against_real_mooncake(node_pair, instance, read_gate):
 
 def test_every_sidecar_measures_the_cluster_at_start(node_pair, instance):
     """The tier's calibration at start (scratch objects written from the sidecar's own mapping)
-    measures a real Mooncake cluster: the estimate rests on two writes before any request, and a
+    and read back measures a real Mooncake cluster: the estimate rests on two reads before any request, and a
     second node (the same calibration keys already in the cluster) measures it too."""
     for name in ("a", "b"):
         node_pair(name)
         with KVConnector(f"{instance}{name}", LAY) as c:
             l3 = wait_until(lambda: c.stats()["l3"], 15.0, f"node {name}'s calibration",
-                            until=lambda l3: l3["cost"].get("write_samples", 0) >= 2 or "calibration_failed" in l3)
-            assert "calibration_failed" not in l3 and l3["cost"]["samples"] == 0, l3
+                            until=lambda l3: l3["cost"]["samples"] >= 2 or "calibration_failed" in l3)
+            assert "calibration_failed" not in l3 and l3["cost"]["samples"] == 2, l3
             assert 0 < l3["cost"]["s_per_block_us"] < 10_000, l3["cost"]  # (the prior: 1,638 us)
