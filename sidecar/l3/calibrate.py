@@ -58,55 +58,42 @@ class Calibration:
             self._end(f"register failed: {exc}")
             return
         self.result = {"state": "running"}
-        self._write(1)
+        self._next()
 
-    def _write(self, n: int) -> None:
-        keys, addrs, size = self.keys[:n], self.addrs[:n], self.tier.block_bytes
-        backend = self.tier.backend
+    def _steps(self) -> list:
+        """(operation, blocks) in order: write 1, then all, then read them back the same way."""
+        sizes = (1, self.blocks) if self.blocks > 1 else (1,)
+        return [("write", n) for n in sizes] + [("read", n) for n in sizes]
+
+    def _next(self, done: int = 0) -> None:
+        """Run step ``done`` on the write lane (never the read lane: a request's read must not
+        wait behind the calibration, nor behind a calibration read in a stuck tier); the calls are
+        the backend's own ``write`` and ``read``, the ones a put and a restore make."""
+        steps = self._steps()
+        if done == len(steps):
+            self._end(None)
+            return
+        op, n = steps[done]
+        call, keys, addrs, size = getattr(self.tier.backend, op), self.keys[:n], self.addrs[:n], self.tier.block_bytes
 
         def work():
             t0 = time.monotonic()
-            ok = backend.write(keys, addrs, size)
+            ok = call(keys, addrs, size)
             return list(ok), time.monotonic() - t0
 
-        self.tier.writer.submit(work, lambda result, error: self._written(n, result, error))
+        self.tier.writer.submit(work, lambda result, error: self._landed(done, op, n, result, error))
 
-    def _written(self, n: int, result, error) -> None:
+    def _landed(self, done: int, op: str, n: int, result, error) -> None:
         ok, seconds = result if error is None and result is not None else ([False], 0.0)
-        if not all(ok):
-            self._end(f"the write of {n} block(s) failed" + (f": {error}" if error is not None else ""))
+        if not all(ok):  # (what was measured so far stays the estimate)
+            self._end(f"the {op} of {n} block(s) failed" + (f": {error}" if error is not None else ""))
             return
-        self.tier.cost.observe_write(n, seconds)  # (``write_samples`` in the L3 stats until a read)
-        self.result[f"write_{n}_ms"] = round(seconds * 1e3, 3)
-        if n < self.blocks:
-            self._write(self.blocks)
-            return
-        self._read(1)
-
-    def _read(self, n: int) -> None:
-        """Read back on the write lane (never the read lane: a request's read must not wait
-        behind the calibration); the call is the backend's read, the one a restore makes."""
-        keys, addrs, size = self.keys[:n], self.addrs[:n], self.tier.block_bytes
-        backend = self.tier.backend
-
-        def work():
-            t0 = time.monotonic()
-            ok = backend.read(keys, addrs, size)
-            return list(ok), time.monotonic() - t0
-
-        self.tier.writer.submit(work, lambda result, error: self._read_back(n, result, error))
-
-    def _read_back(self, n: int, result, error) -> None:
-        ok, seconds = result if error is None and result is not None else ([False], 0.0)
-        if not all(ok):  # (the writes measured the link: they stay the estimate until a read lands)
-            self._end(f"the read of {n} block(s) failed" + (f": {error}" if error is not None else ""))
-            return
-        self.tier.cost.observe(n, seconds)  # (``samples`` in the L3 stats)
-        self.result[f"read_{n}_ms"] = round(seconds * 1e3, 3)
-        if n < self.blocks:
-            self._read(self.blocks)
-            return
-        self._end(None)
+        if op == "write":
+            self.tier.cost.observe_write(n, seconds)  # (``write_samples`` in the L3 stats until a read)
+        else:
+            self.tier.cost.observe(n, seconds)  # (``samples`` in the L3 stats)
+        self.result[f"{op}_{n}_ms"] = round(seconds * 1e3, 3)
+        self._next(done + 1)
 
     def _end(self, failure: str | None) -> None:
         est = self.tier.cost.estimate()

@@ -213,3 +213,15 @@ def test_the_tier_measures_itself_at_start(sidecar_factory, instance, tmp_path, 
         assert 0.65 * shaped <= predicted <= 1.5 * shaped, (n, predicted, shaped, cost)
     files = [f for _, _, fs in os.walk(tmp_path / "l3") for f in fs]
     assert len(files) == 4 and all("_calibration_" in f for f in files), files
+
+
+def test_a_calibration_that_cannot_read_measures_what_it_could_and_never_fails_the_sidecar(
+        sidecar_factory, instance, tmp_path):
+    """Every read's first block fails: the calibration stops at its first read-back, counts the
+    failure, and the estimate rests on its two writes; the sidecar serves on."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.fail": "first"}))
+    l3 = wait_until(lambda: _l3_stats(instance), 10.0, "the calibration's end",
+                    until=lambda l3: "calibration_failed" in l3)
+    assert l3["calibration_failed"] == 1 and l3["cost"]["samples"] == 0 and l3["cost"]["write_samples"] == 2
+    with KVConnector(instance, LAY) as c:
+        assert c.stats(check=True)["invariants"] == ""
