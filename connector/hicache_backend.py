@@ -318,7 +318,7 @@ class KvSidecarHiCacheStorage(_Base):
             view = c.prefetch(chain, rid, attempt=attempt, policy=policy, budget_s=s.budget_s,
                               chunk_max_blocks=s.chunk_max_blocks or None,
                               tokens=len(keys) * self.layout.tokens_per_block, eta_s=eta_s,
-                              prefill_s_per_block=prefill_s_per_block)
+                              prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
             self._count("sessions_joined" if view.get("existed") else "sessions_started")
             demanded, ended = self.sessions.flags(ref)
             if ended:  # the scheduler was done with it while the prefetch was on its way

@@ -239,20 +239,23 @@ class KVConnector:
     def prefetch(self, chain: bytes, req: str, *, policy: str | None = None, attempt: int = 0,
                  budget_s: float | None = None, chunk_max_blocks: int | None = None, tokens: int | None = None,
                  checkpoints=None, checkpoint_every: int | None = None, eta_s: float | None = None,
-                 prefill_s_per_block: float | None = None, wait: bool = True):
+                 prefill_s_per_block: float | None = None, fixed_hit: bool = False, wait: bool = True):
         """Start (or join) the session for (group, req, attempt) at queue entry, with the full chain.
 
         ``budget_s`` overrides the timeout policy's budget (default: the sidecar's
         ``min(max, base + per_ki_token × tokens / 1024)``; for ``cost_aware`` an optional cap).
         ``eta_s`` (seconds until the engine expects to start this request's prefill) and
-        ``prefill_s_per_block`` are ``cost_aware``'s engine inputs.  Returns the session's view;
+        ``prefill_s_per_block`` are ``cost_aware``'s engine inputs; ``fixed_hit``: this engine fetches
+        exactly the hit it is told when the query answers (``planned``), so nothing is read beyond
+        that plan for it.  Returns the session's view;
         with ``wait=False`` the request id at once (its view then comes with ``client.take``: the
         ring keeps order, so it has arrived once any later call on this connection returned)."""
         fields = dict(req=req, chain=chain, ns=self.hasher.namespace or None,
                       attempt=attempt or None, policy=policy, budget_s=budget_s,
                       chunk_max_blocks=chunk_max_blocks, tokens=tokens,
                       checkpoints=list(checkpoints) if checkpoints is not None else None,
-                      checkpoint_every=checkpoint_every, eta_s=eta_s, prefill_s_per_block=prefill_s_per_block)
+                      checkpoint_every=checkpoint_every, eta_s=eta_s, prefill_s_per_block=prefill_s_per_block,
+                      fixed_hit=fixed_hit or None)
         return self.client.call("prefetch", **fields) if wait else self.client.send("prefetch", **fields)
 
     def demand(self, req: str, attempt: int = 0) -> dict:

@@ -81,7 +81,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
         {"req": STR, "chain": CHAIN},
         {"ns": STR, "attempt": INT, "policy": STR, "budget_s": FLOAT, "chunk_max_blocks": INT,
          "tokens": INT, "checkpoints": INTLIST, "checkpoint_every": INT, "group": STR, "step": INT,
-         "eta_s": FLOAT, "prefill_s_per_block": FLOAT},
+         "eta_s": FLOAT, "prefill_s_per_block": FLOAT, "fixed_hit": BOOL},
         kv=True,
     ),
     "demand": OpSchema({"req": STR}, {"attempt": INT}, kv=True),

@@ -145,7 +145,9 @@ def queued_chunk(o: Outlook, now: float, remaining: int, chunk_max: int) -> int:
     so the request waits at most for the chunk in flight (the chunk bounds the regret).  Not part of the plan an
     engine that fetches the hit itself is told (it would wait for it): the block lands in the
     pool, for this request's GET where the engine takes what is resident, and for the next
-    request of the prefix.  Nothing without evidence about L3 or anything to save."""
+    request of the prefix (a session whose engine fetches a fixed hit — ``fixed_hit``, SGLang —
+    reads none: the chunk could not help it, and would hold the read lane from the plans of the
+    requests behind it).  Nothing without evidence about L3 or anything to save."""
     if o.eta <= now or o.unmeasured or o.saving_per_block <= 0 or remaining <= 0:
         return 0
     return min(remaining, chunk_size(o, chunk_max))

@@ -238,6 +238,10 @@ class Params:
     checkpoint_every: int = 0  # 0: every block boundary is valid
     checkpoints: frozenset = frozenset()  # explicit block indices whose end is a valid stop
     outlook: Outlook | None = None  # cost_aware: the cost inputs at start (required for it)
+    # cost_aware: the engine fetches exactly the hit it is told when the query answers (``planned``:
+    # SGLang's batch_exists), so a block read beyond that plan cannot help this request: nothing
+    # past it is claimed, neither a chunk while queued nor a later plan that would reach further
+    fixed_hit: bool = False
 
 
 class Session:
@@ -272,6 +276,7 @@ class Session:
         self.probe_chunk = -1  # the first claim was a probe (read for the estimate: planned on the prior, or no gain)
         self.plan_end = p.resident  # where the last cost decision meant to restore to (``planned``)
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
+        self.hit_cap: int | None = None  # fixed_hit: the hit the engine was told (nothing is read past it)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -335,6 +340,14 @@ class Session:
             if cost_aware and self._probe_holds_candidate():
                 return out + self._detach_probe()  # claimed for the estimate, not for this request
         return out
+
+    def _query_pays(self, now: float, asked_at: float | None = None) -> bool:
+        """cost_aware: could the L3 query's answer lead to a read — one that lowers TTFT
+        (:func:`cost.worth_querying`), or, queued, the chunk read beyond the plan?"""
+        remaining, chunk = self.p.total - self.p.resident, self.p.chunk_max_blocks
+        if cost.worth_querying(self.outlook, now, remaining, chunk, asked_at):
+            return True
+        return not self.p.fixed_hit and cost.queued_chunk(self.outlook, now, remaining, chunk) > 0
 
     def _awaits_evidence(self, o: Outlook) -> bool:
         """cost_aware, queued, nothing claimed: while no read has measured L3 (another session's
@@ -410,11 +423,12 @@ class Session:
         # what is in flight lands at the later of the estimate made when it was claimed and the
         # lane's current backlog (which counts this session's own reads, last among equals)
         current_end = max(self.expected_end, now + o.backlog_s) if self.in_flight else now
-        planned = cost.plan(o, now, self.target - self.next_pos, self.p.chunk_max_blocks, current_end,
+        end = self.target if self.hit_cap is None else min(self.target, self.hit_cap)
+        planned = cost.plan(o, now, end - self.next_pos, self.p.chunk_max_blocks, current_end,
                             self.claimed_any, self.queued_s)
         self.plan_end = self.next_pos + planned
         n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
-        if n == 0:  # (read while queued, beyond the plan: never waited for)
+        if n == 0 and not self.p.fixed_hit:  # (read while queued, beyond the plan: never waited for)
             n = cost.queued_chunk(o, now, self.target - self.next_pos, self.p.chunk_max_blocks)
         if n == 0 and self._awaits_evidence(o):
             return 0  # another session's probe is out: its measurement decides (Replan), not the prior
@@ -427,7 +441,8 @@ class Session:
             return 0
         if not commit:
             return 0
-        if not self.claimed_any and (o.unmeasured or cost.gain(o, now, n, current_end, self.queued_s) <= 0):
+        if not self.claimed_any and o.probe_blocks and (
+                o.unmeasured or cost.gain(o, now, n, current_end, self.queued_s) <= 0):
             self.probe_chunk = self._ids  # the id the claim gets
             # a probe that pays (L3 cheaper than prefill, latency included) lands by then
             self.probe_deadline = now + n * o.saving_per_block
@@ -492,8 +507,7 @@ class Session:
             self.state = State.RUNNING
             return self._maybe_finish()
         if (self.p.policy == Policy.COST_AWARE and e.eta_given and not self.outlook.unmeasured
-                and not cost.worth_querying(self.outlook, e.now, self.p.total - self.p.resident,
-                                            self.p.chunk_max_blocks)):
+                and not self._query_pays(e.now)):
             # (unmeasured: another session's probe is out and lands before this query answers;
             # its estimate decides then — ending now would restore nothing until the next request)
             self.state = State.RUNNING  # (no query out: it ends now, holding only what is resident)
@@ -511,7 +525,10 @@ class Session:
             self._seal(Status.NO_HIT)
         if self.p.deadline is not None and e.now >= self.p.deadline:
             self._seal(Status.TIMEOUT, "deadline")
-        return self._advance()
+        out = self._advance()
+        if self.p.fixed_hit and self.p.policy == Policy.COST_AWARE:
+            self.hit_cap = self.planned  # what the engine is told now is all it will ever fetch
+        return out
 
     def _on_claim_short(self, e: ClaimShort) -> list:
         """The executor reserved only ``granted`` of the claimed blocks (a limit): shrink, stop claiming."""
@@ -562,8 +579,7 @@ class Session:
         if self.p.policy != Policy.COST_AWARE:
             return []
         self._new_outlook(e.outlook)
-        if self.state == State.QUERYING and not self.sealed and not cost.worth_querying(
-                self.outlook, e.now, self.p.total - self.p.resident, self.p.chunk_max_blocks, self.query_asked_at):
+        if self.state == State.QUERYING and not self.sealed and not self._query_pays(e.now, self.query_asked_at):
             self._seal(Status.COST, "cost")  # nothing the answer could bring would pay: end now
             return self._maybe_finish()
         if self.state != State.RUNNING or self.sealed:

@@ -127,7 +127,8 @@ class SessionManager(Service):
             rec.prefill_s_per_block = msg.get("prefill_s_per_block") or c.prefill_s_per_block
         params = Params(policy, total, resident, chunk, c.window, deadline,
                         checkpoint_every=msg.get("checkpoint_every") or 0,
-                        checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now))
+                        checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now),
+                        fixed_hit=bool(msg.get("fixed_hit")))
         rec.machine = Session(params)
         self.records[key] = rec
         self.by_id[rec.id] = rec

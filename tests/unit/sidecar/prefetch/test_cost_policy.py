@@ -881,3 +881,39 @@ def test_executor_a_cost_stop_whose_reads_still_pay_waits_for_them():
     b.loop.settle()
     b.tier.run_all()
     assert terminal(b, "r")["prefix"] == 8
+
+
+def test_machine_a_fixed_hit_session_reads_nothing_beyond_its_plan():
+    """An engine that fetches exactly the hit it was told (SGLang) gets no chunk read beyond the
+    plan while queued: it could not help the request, and it would hold the read lane."""
+    o = ol(eta=0.2, regime=SLOW, backlog_s=0.25)  # nothing lands by the ETA
+    free = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=o))
+    fixed = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=o, fixed_hit=True))
+    assert free.handle(Start(0.0, eta_given=True)) == [Query(0)]  # the answer may lead to a read
+    a = free.handle(QueryDone(64, 0.0, o))
+    assert [c.count for c in claims(a)] == [8, 8]  # queued: read beyond the (empty) plan
+    a = fixed.handle(Start(0.0, eta_given=True))  # (and for it the query cannot pay: not sent)
+    assert a == [Finish(Status.COST, 0, "cost")]
+    # nor does a later plan reach past the hit it was told: here 11 blocks land by the ETA
+    s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=ol(eta=0.2, regime=SLOW), fixed_hit=True))
+    s.handle(Start(0.0))
+    a = s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
+    assert [c.count for c in claims(a)] == [8, 3] and s.planned == 11
+    a = s.handle(Replan(0.001, ol(eta=1.0, regime=SLOW)))  # a later ETA: more would fit, but not for it
+    assert claims(a) == []
+    assert run_to_end(s, 0.1) == Finish(Status.COST, 11, "cost")
+
+
+def test_executor_fixed_hit_comes_over_the_wire():
+    b = Bench(blocks=64, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.02, 5)
+    c = b.chain("a", 40)
+    b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.05, fixed_hit=True)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [2]  # only what lands by the ETA (0.041 s)
+    b.prefetch("q", b.chain("b", 40), policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.05)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [2, 4, 4]  # the other: chunks beyond it (window 2)
+    with pytest.raises(ProtocolError):
+        decode_request(encode({"v": PROTOCOL_VERSION, "id": 1, "op": "prefetch", "req": "r", "chain": b"k" * 16,
+                               "fixed_hit": "yes"}))
