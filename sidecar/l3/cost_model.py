@@ -95,9 +95,12 @@ class ReadCostModel:
         changed = False
         if seconds > 0 and self.samples:  # predictions made with evidence (the prior's is not one)
             predicted = self._latency + blocks * self._per_block
-            rel = abs(predicted - seconds) / seconds
-            self._err_num = self.forget * self._err_num + rel
-            self._err_den = self.forget * self._err_den + 1.0
+            if self.samples >= 2:
+                # (a prediction from one read carries the prior's split of latency and per-block
+                # cost: its miss on a read of another size is the prior's error, not the fit's)
+                rel = abs(predicted - seconds) / seconds
+                self._err_num = self.forget * self._err_num + rel
+                self._err_den = self.forget * self._err_den + 1.0
             surprise = (seconds - predicted) / predicted if predicted > 0 else 0.0
             if self.samples < 2:
                 pass  # one read cannot split latency from bandwidth: its miss is no sign of a new regime
