@@ -209,6 +209,7 @@ FIELD = {
     "budget_s": st.sampled_from([0, 0.0, 1e-6, 0.003, 0.05, 5.0, 1e9, 10**9]) | st.floats(0, 2.0),
     "eta_s": st.sampled_from([0, 0.0, 1e-6, 0.05, 5.0, 1e9]) | st.floats(0, 2.0),
     "prefill_s_per_block": st.sampled_from([0, 0.0, 1e-9, 0.003, 1e9]) | st.floats(0, 0.1),
+    "fixed_hit": st.booleans(),  # (an engine that fetches exactly the hit it is told)
     "chunk_max_blocks": st.sampled_from([0, 1, 2, 3, 1000, MAX_ID]),
     "tokens": st.sampled_from([0, 1, 64, 10**6, MAX_ID]),
     "checkpoints": st.lists(small_ints | big_ints | st.just(2**64 - 1), max_size=30)
