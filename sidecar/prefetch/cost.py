@@ -15,9 +15,10 @@ while the saving exceeds the delay, which is exactly the marginal form of the se
 
 * restore cheaper per block than prefill: keep claiming (every chunk pays for itself);
 * restore dearer: claim what lands before ``eta`` (hidden behind the queue); and while the
-  request is still queued (``eta`` later than now) one chunk at a time beyond it
+  request is still queued (``eta`` later than now) whole chunks beyond it
   (:func:`queued_chunk`), because the ETA is only an estimate and a queued read costs nothing
-  until the request is a candidate; the demand (ETA now) stops it.
+  until the request is a candidate; the demand (ETA now) stops it, and keeps what is claimed
+  only where the prefill it saves exceeds the wait for it (:func:`keep_admitted`).
 
 Chunk size bounds the regret of a stop: a wrong decision costs at most one chunk's transfer.
 
@@ -42,7 +43,7 @@ class Outlook:
     prefill_s_per_block: float  # the engine's prefill cost of one block (0: unknown)
     l3_latency_s: float  # per read: fixed cost of one L3 call
     l3_s_per_block: float  # per block: bytes / bandwidth
-    backlog_s: float = 0.0  # read-lane work ahead of this session's next chunk
+    backlog_s: float = 0.0  # read-lane work ahead of this session's next chunk (its own pending reads too)
     load_s_per_block: float = 0.0  # copying a restored block into the engine
     probe_blocks: int = 0  # the L3 estimate has no evidence yet: one small chunk may be read to learn it
     query_s: float = 0.0  # how long an L3 existence query takes (measured; 0: unknown)
@@ -160,11 +161,15 @@ def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_e
                chunk_size(o, chunk_max))
 
 
-def keep_admitted(o: Outlook, current_end: float) -> bool:
-    """After a cost stop: are the chunks already claimed (and possibly still queued) worth
-    reading?  Yes while restoring pays per block, or while they land before the prefill
-    could start anyway."""
-    return o.restore_pays_per_block or current_end <= o.eta
+def keep_admitted(o: Outlook, now: float, current_end: float, pending_blocks: int) -> bool:
+    """After a cost stop: are the ``pending_blocks`` already claimed (and possibly still queued)
+    worth reading?  Yes while they land before the prefill could start anyway, or while the
+    prefill they save exceeds the wait for them to land (``current_end``: behind the lane's
+    backlog).  Per-block cost alone does not decide it: two cheap blocks queued behind 80 ms of
+    other sessions' reads hold a scheduling candidate for 80 ms to save 6 (measured, r1 load)."""
+    if current_end <= o.eta:
+        return True
+    return pending_blocks * o.saving_per_block > current_end - max(o.eta, now)
 
 
 def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked_at: float | None = None) -> bool:

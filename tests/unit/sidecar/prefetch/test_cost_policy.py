@@ -161,6 +161,12 @@ def run_to_end(s: Session, now: float, outlook=None) -> Finish | None:
     return out
 
 
+def lane_backlog(s: Session, regime=FAST) -> float:
+    """The read-lane backlog the tier reports to ``s`` (its own pending reads: they run before its
+    next chunk), so an outlook built by hand is one the executor could have built."""
+    return sum(regime["l3_latency_s"] + c.count * regime["l3_s_per_block"] for c in s.chunks.values() if c.ok is None)
+
+
 def test_machine_an_engine_eta_that_leaves_nothing_to_gain_sends_no_query():
     """Given the engine's ETA at start, a session whose best case cannot lower TTFT (L3 dearer
     than prefill and the prefill could start now) ends at once with the resident prefix: no L3
@@ -205,15 +211,17 @@ def test_machine_slow_l3_on_an_idle_engine_reads_nothing():
 def test_machine_slow_l3_with_slack_reads_behind_the_queue_until_the_demand():
     s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
     a = s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
-    assert [c.count for c in claims(a)] == [8, 3]  # 11 blocks land by the eta
+    # 11 blocks land by the eta (the plan); queued, whole chunks are read: the rest of the second
+    # one would be read next anyway, and a read cut at an estimate only adds a read's latency
+    assert [c.count for c in claims(a)] == [8, 8] and s.planned == 11
     assert not s.sealed  # they still pay: no stop while they are in flight (a later ETA may want more)
     first = min(s.chunks.values(), key=lambda c: c.start)
     a = s.handle(ChunkDone(first.id, (True,) * 8, 0.15, ol(eta=0.2, regime=SLOW)))
     assert [c.count for c in claims(a)] == [8]  # still queued: one more chunk
-    a = s.handle(Demand(0.2, ol(eta=0.2, regime=SLOW)))  # a candidate: stop claiming
+    a = s.handle(Demand(0.2, ol(eta=0.2, regime=SLOW, backlog_s=lane_backlog(s, SLOW))))  # a candidate: stop
     assert claims(a) == [] and s.sealed and s.status == Status.COST and not s.keep_admitted
     f = run_to_end(s, 0.21)
-    assert f == Finish(Status.COST, 19, "cost")
+    assert f == Finish(Status.COST, 24, "cost")  # (here nothing withdraws the chunks not started)
 
 
 def test_machine_planned_is_what_cost_aware_will_restore_not_the_whole_hit():
@@ -223,9 +231,9 @@ def test_machine_planned_is_what_cost_aware_will_restore_not_the_whole_hit():
     s = session(chunk=8, outlook=ol(eta=0.2, regime=SLOW))
     s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
     assert (s.target, s.planned) == (64, 11)
-    s.handle(Demand(0.2, ol(eta=0.2, regime=SLOW)))
+    s.handle(Demand(0.2, ol(eta=0.2, regime=SLOW, backlog_s=lane_backlog(s, SLOW))))
     run_to_end(s, 0.21)
-    assert s.planned == 11 == s.published
+    assert s.planned == 11 and s.published == 16  # the whole second chunk landed: not planned
 
 
 def test_machine_planned_is_the_whole_hit_when_it_pays_none_when_nothing_does_and_always_for_other_policies():
@@ -247,7 +255,7 @@ def test_machine_demand_replans_with_the_eta_at_now(regime, sealed):
     s = session(chunk=8, outlook=ol(eta=1.0, regime=regime))
     s.handle(QueryDone(64, 0.0, ol(eta=1.0, regime=regime)))
     assert len(s.chunks) == 2
-    a = s.handle(Demand(0.05, ol(eta=0.05, regime=regime)))
+    a = s.handle(Demand(0.05, ol(eta=0.05, regime=regime, backlog_s=lane_backlog(s, regime))))
     assert not finish(a)
     assert s.sealed is sealed
     if sealed:  # restoring is dearer than prefill and the engine could start now: stop, withdraw
@@ -303,7 +311,7 @@ def test_machine_a_stop_regrets_at_most_one_chunk():
     s.handle(QueryDone(64, 0.0, ol(eta=10.0, regime=SLOW)))
     in_flight = sum(c.count for c in s.chunks.values())
     assert in_flight == 4
-    a = s.handle(Demand(0.01, ol(eta=0.01, regime=SLOW)))
+    a = s.handle(Demand(0.01, ol(eta=0.01, regime=SLOW, backlog_s=lane_backlog(s, SLOW))))
     assert claims(a) == [] and s.sealed
 
 
@@ -685,7 +693,7 @@ def test_every_trigger_in_every_estimate_regime(regime, trigger):
     elif regime == "no_evidence_queued":
         assert claimed == 4 and not any(isinstance(a, Detach) for a in out)  # the probe, awaited
     elif regime in ("slow_slack",):
-        assert claimed == 11  # what lands by the ETA
+        assert claimed == 16 and s.planned == 11  # what lands by the ETA, read in whole chunks
     elif regime == "unknown_prefill":
         assert claimed == 0  # nothing to save: restoring only costs
     now = 0.01
@@ -693,7 +701,7 @@ def test_every_trigger_in_every_estimate_regime(regime, trigger):
         c = min(s.chunks.values(), key=lambda c: c.start)
         out += s.handle(ChunkDone(c.id, (True,) * c.count, now, o))
     elif trigger == "demand":
-        out += s.handle(Demand(now, _outlook(spec, eta=now)))
+        out += s.handle(Demand(now, _outlook(spec, eta=now, backlog_s=lane_backlog(s, spec["regime"]))))
     elif trigger == "replan_later":
         out += s.handle(Replan(now, _outlook(spec, eta=spec["eta"] + 1.0)))
     elif trigger == "tick":
@@ -710,7 +718,7 @@ def test_every_trigger_in_every_estimate_regime(regime, trigger):
     if regime == "slow_slack" and trigger == "replan_later":
         assert s.published > 11  # a later ETA hides more behind the queue
     if regime == "slow_slack" and trigger == "demand":
-        assert s.published <= 11 and not s.keep_admitted  # the engine could start now: nothing more
+        assert s.published <= 16 and not s.keep_admitted  # the engine could start now: nothing more
     assert not s.chunks and s.in_flight == 0
 
 
@@ -917,3 +925,31 @@ def test_executor_fixed_hit_comes_over_the_wire():
     with pytest.raises(ProtocolError):
         decode_request(encode({"v": PROTOCOL_VERSION, "id": 1, "op": "prefetch", "req": "r", "chain": b"k" * 16,
                                "fixed_hit": "yes"}))
+
+
+@pytest.mark.parametrize("backlog,kept", [(0.0, True), (0.08, False)])
+def test_a_candidate_keeps_cheap_claimed_reads_only_if_the_wait_for_them_pays(backlog, kept):
+    """A pool hit's 2-block L3 tail, claimed while queued: L3 cheaper than prefill per block.
+    At the demand, with the lane free the read is worth waiting for (it lands in 10 ms and saves
+    20); behind 80 ms of other sessions' reads it is not: the session stops and withdraws it
+    (``keep_admitted`` False), whatever the per-block cost (measured: such tails held candidates
+    for 80-160 ms under load)."""
+    s = Session(Params(Policy.COST_AWARE, 34, 32, 8, 2, None, outlook=ol(eta=0.5)))
+    s.handle(Start(0.0))
+    a = s.handle(QueryDone(2, 0.0, ol(eta=0.5)))
+    assert [c.count for c in claims(a)] == [2]
+    a = s.handle(Demand(0.01, ol(eta=0.01, backlog_s=backlog)))
+    assert claims(a) == [] and s.sealed is (not kept)
+    if kept:
+        assert run_to_end(s, 0.02, ol(eta=0.01)).status == Status.COMPLETE
+    else:
+        assert s.status == Status.COST and not s.keep_admitted
+
+
+def test_keep_admitted_weighs_the_wait_against_the_saving():
+    o = ol(eta=1.0)  # restore ~0.4x prefill per block
+    assert cost.keep_admitted(o, 0.5, 0.9, 1)  # lands before the prefill could start: always
+    o = ol(eta=0.0)
+    assert cost.keep_admitted(o, 0.0, 0.010, 2)  # 10 ms to save 2 x PREFILL
+    assert not cost.keep_admitted(o, 0.0, 0.080, 2)  # 80 ms to save 2 x PREFILL
+    assert not cost.keep_admitted(ol(eta=0.0, regime=SLOW), 0.0, 0.2, 8)  # dearer per block and late
