@@ -93,11 +93,14 @@ def row_stream_args(row: dict, requests: int) -> dict:
                 load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
 
 
-def virtual_row(row: dict, requests: int) -> dict:
+def virtual_ttfts(row: dict, requests: int, seed: int = 11) -> dict:
+    """``{arm: [TTFT ms per request]}``: the row's stream (``seed``: the table's own, 11, or
+    another draw of the same shape) through the virtual model with the row's measured rates
+    and fixed costs."""
     agg = row["aggregate"]
     rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
     lay = simulate.make_layout(row["tp"])
-    base = row_stream_args(row, requests)
+    base = dict(row_stream_args(row, requests), seed=seed)
     stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)
     arrivals = {rid: arr for arr, rid, _ in stream}
     c = rates["compute_s_per_block"]
@@ -111,7 +114,14 @@ def virtual_row(row: dict, requests: int) -> dict:
         pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s), meta_latency_s=fixed["query_s"],
                                  **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s")})
         res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
-        ttft = [r["ttft_s"] * 1e3 for r in res["results"]]
+        out[arm] = [r["ttft_s"] * 1e3 for r in res["results"]]
+    return out
+
+
+def virtual_row(row: dict, requests: int) -> dict:
+    agg = row["aggregate"]
+    out = {}
+    for arm, ttft in virtual_ttfts(row, requests).items():
         real = trials_mod.median(agg["arms"][arm]["ttft_p50_ms"])
         virt = ttft_bounds._pct(ttft, 0.5)
         out[arm] = {"real_p50_ms": real, "virtual_p50_ms": virt, "ratio": virt / real if real else None,
