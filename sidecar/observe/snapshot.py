@@ -20,7 +20,7 @@ import enum
 
 from kvsidecar.shm.errors import ErrorCode
 
-from kvsidecar.sidecar.prefetch.machine import Policy, State, Status
+from kvsidecar.sidecar.prefetch.events import Policy, State, Status
 
 RING_CORRUPTED = "ring_corrupted"  # the one error that is not a wire code: a client's ring broke
 

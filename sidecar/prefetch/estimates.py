@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.machine import Policy
+from kvsidecar.sidecar.prefetch.events import Policy
 from kvsidecar.sidecar.prefetch.records import Record
 
 

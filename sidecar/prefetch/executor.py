@@ -29,8 +29,8 @@ from kvsidecar.sidecar.kv.admission import PoolManager, Refusal
 from kvsidecar.sidecar.kv.chunks import ChunkPlan
 from kvsidecar.sidecar.kv.index import pack_ids
 from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
-from kvsidecar.sidecar.prefetch.machine import (ChunkAbandoned, ChunkWithdrawn, Claim, ClaimShort, Detach, Drop,
-                                                Finish, Publish, Query, State)
+from kvsidecar.sidecar.prefetch.events import (ChunkAbandoned, ChunkWithdrawn, Claim, ClaimShort, Detach,
+                                               Drop, Finish, Publish, Query, State)
 from kvsidecar.sidecar.prefetch.records import ChunkIO, Record
 from kvsidecar.sidecar.service import Host
 

@@ -39,8 +39,9 @@ from kvsidecar.sidecar.prefetch.estimates import drain_budget, outlook
 from kvsidecar.sidecar.prefetch.executor import SessionExecutor
 from kvsidecar.sidecar.prefetch.records import Record
 from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
-from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Demand, Finish, Params, Policy, QueryDone, Replan,
-                                                Session, Start, State, Status, Tick)
+from kvsidecar.sidecar.prefetch.events import (Abort, ChunkDone, Demand, Finish, Policy, QueryDone, Replan,
+                                               Start, State, Status, Tick)
+from kvsidecar.sidecar.prefetch.machine import Params, Session
 
 
 class SessionManager(Service):

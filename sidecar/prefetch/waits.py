@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from kvsidecar.sidecar.prefetch.machine import State
+from kvsidecar.sidecar.prefetch.events import State
 
 MAX_WAIT_S = 60.0
 DEFAULT_WAIT_S = 5.0

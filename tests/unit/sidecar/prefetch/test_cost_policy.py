@@ -11,8 +11,9 @@ from kvsidecar.shm.protocol import PROTOCOL_VERSION, decode_request, encode
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
 from kvsidecar.sidecar.prefetch import cost
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.machine import (Abort, ChunkDone, Claim, Demand, Detach, Finish, IllegalEvent, Params, Policy, Query,
-                                      QueryDone, Replan, Session, Start, State, Status, Tick)
+from kvsidecar.sidecar.prefetch.events import (Abort, ChunkDone, Claim, Demand, Detach, Finish, IllegalEvent,
+                                               Policy, Query, QueryDone, Replan, Start, State, Status, Tick)
+from kvsidecar.sidecar.prefetch.machine import Params, Session
 from tests.unit.sidecar.prefetch.test_executor import Bench, terminal
 
 # regimes: one block costs 10 ms to prefill

@@ -9,35 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.machine import (
-    Abort,
-    ChunkAbandoned,
-    ChunkDone,
-    ChunkWithdrawn,
-    ClaimShort,
-    Detach,
-    Demand,
-    EVENTS,
-    IGNORED,
-    LEGAL,
-    TRANSITIONS,
-    IllegalEvent,
-    IllegalTransition,
-    QueryDone,
-    Start,
-    Tick,
-    Claim,
-    Drop,
-    Finish,
-    Params,
-    Policy,
-    Publish,
-    Replan,
-    Query,
-    Session,
-    State,
-    Status,
-)
+from kvsidecar.sidecar.prefetch.events import (Abort, ChunkAbandoned, ChunkDone, ChunkWithdrawn, ClaimShort,
+                                               Detach, Demand, EVENTS, IGNORED, LEGAL, TRANSITIONS,
+                                               IllegalEvent, IllegalTransition, QueryDone, Start, Tick,
+                                               Claim, Drop, Finish, Policy, Publish, Replan, Query, State,
+                                               Status)
+from kvsidecar.sidecar.prefetch.machine import Params, Session
 
 
 def mk(policy=Policy.TIMEOUT, total=10, resident=0, chunk=3, window=2, deadline=None, **kw):
