@@ -15,6 +15,14 @@ Invariants:
   ETA of every request behind it too long, and cost_aware then planned reads the request
   waited for).  SPMD ranks hold the same queue in the same order, so every rank computes the
   same tokens ahead (checked in tests/sglang).
+* **A request starts with its batch**: SGLang fills each prefill batch with up to one budget
+  of tokens (``chunked_prefill_size``, else ``max_prefill_tokens``: :func:`prefill_budget`), in
+  admission order, the last request cut into a chunk; every request of a batch starts when the
+  batch does.  So the ETA counts the whole batches ahead of the request's own
+  (:func:`batch_start`), not every token ahead: a request within the next batch's budget starts
+  *now* (the plugin's ``admissible_now`` is the same walk).  Counting every token ahead made
+  the ETA of the second request of a batch one prefill too long; cost_aware kept reading for it,
+  and SGLang, which admits a request only once its prefetch is over, held it back meanwhile.
 * **The rate is SGLang's**: ``total_prefill_busy_us / total_prefill_uncached_tokens`` (the
   scheduler's own cumulative prefill accounting), over its recent increments (:class:`PrefillRate`).  It is measured per rank (wall time), so it
   differs slightly between ranks; therefore **one rank sends** (the TP group's rank 0): the
@@ -77,6 +85,15 @@ def work_ahead(chunked_remaining: int, waiting: Sequence[Queued]) -> list[Ahead]
         out.append(Ahead(q.rid, q.attempt, acc))
         acc += max(0, int(q.tokens))
     return out
+
+
+def batch_start(tokens_ahead: int, budget: int) -> int:
+    """The tokens prefilled before the batch a request starts in: the whole batches of
+    ``budget`` tokens ahead of it (``tokens_ahead`` itself when the budget is unknown, <= 0)."""
+    tokens_ahead = max(0, int(tokens_ahead))
+    if budget <= 0:
+        return tokens_ahead
+    return tokens_ahead // budget * budget
 
 
 class PrefillRate:
@@ -154,15 +171,16 @@ class EtaPlanner:
                 del self._sent[k]
 
     def plan(self, ahead: Iterable[Ahead], s_per_token: float | None, now: float,
-             tracked: Callable[[str, int], bool] = lambda rid, attempt: True) -> list[EtaUpdate]:
-        """The updates to send now: requests ``tracked`` whose ETA moved materially."""
+             tracked: Callable[[str, int], bool] = lambda rid, attempt: True, budget: int = 0) -> list[EtaUpdate]:
+        """The updates to send now: requests ``tracked`` whose ETA (the batches ahead of the
+        request's own, :func:`batch_start`, at ``s_per_token``) moved materially."""
         if s_per_token is None:
             return []
         out = []
         for a in ahead:
             if not tracked(a.rid, a.attempt):
                 continue
-            eta = a.tokens_ahead * s_per_token
+            eta = batch_start(a.tokens_ahead, budget) * s_per_token
             if material(self.last(a.rid, a.attempt, now), eta, self.rel, self.abs_s):
                 out.append(EtaUpdate(a.rid, a.attempt, eta))
                 self.note_sent(a.rid, a.attempt, eta, now)
@@ -178,6 +196,15 @@ def queued_of(req, shared: int = 0) -> Queued:
     total = len(req.origin_input_ids) + len(getattr(req, "output_ids", ()))
     done = int(getattr(req, "prefix_len", 0) or 0) + int(getattr(req, "host_hit_length", 0) or 0)
     return Queued(str(req.rid), int(attempt or 0), max(0, total - max(done, shared)))
+
+
+def prefill_budget(scheduler) -> int:
+    """One prefill batch's token budget: ``chunked_prefill_size``, else ``max_prefill_tokens``
+    (0: unknown)."""
+    budget = getattr(scheduler, "chunked_prefill_size", None)
+    if not budget or budget <= 0:
+        budget = getattr(scheduler, "max_prefill_tokens", None) or 0
+    return max(0, int(budget))
 
 
 def chunked_remaining(scheduler) -> int:
@@ -251,7 +278,8 @@ class SchedulerEta:
             self.history.append((self.iteration, tuple((a.rid, a.tokens_ahead) for a in ahead)))
         if not self.is_sender:
             return
-        updates = self.planner.plan(ahead, self.rate.s_per_token, self.clock(), self._tracked)
+        updates = self.planner.plan(ahead, self.rate.s_per_token, self.clock(), self._tracked,
+                                    prefill_budget(scheduler))
         if len(self.planner) > 4 * max(16, len(ahead)):
             self.planner.forget((a.rid, a.attempt) for a in ahead)
         if updates:
@@ -266,7 +294,7 @@ class SchedulerEta:
         s = self.rate.s_per_token
         if s is None:
             return None, None
-        eta = tokens * s
+        eta = batch_start(tokens, prefill_budget(scheduler)) * s
         self.planner.note_sent(str(rid), int(attempt or 0), eta, self.clock())
         return eta, s * self.tokens_per_block
 

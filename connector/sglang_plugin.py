@@ -67,7 +67,7 @@ import sys
 import time
 
 from .hicache_backend import KvSidecarHiCacheStorage
-from .sglang_eta import SchedulerEta, chunked_remaining, queued_of
+from .sglang_eta import SchedulerEta, chunked_remaining, prefill_budget, queued_of
 from .sglang_settle import HitSettler
 
 log = logging.getLogger(__name__)
@@ -252,9 +252,7 @@ def admissible_now(scheduler):
     scheduler is known, and for one not in the queue."""
     if scheduler is None:
         return lambda request: True
-    budget = getattr(scheduler, "chunked_prefill_size", None)
-    if not budget or budget <= 0:
-        budget = getattr(scheduler, "max_prefill_tokens", None) or 0
+    budget = prefill_budget(scheduler)
     if budget <= 0:
         return lambda request: True
     waiting = list(getattr(scheduler, "waiting_queue", ()))

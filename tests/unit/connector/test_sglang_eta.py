@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from kvsidecar.connector.sglang_eta import (Ahead, EtaPlanner, PrefillRate, Queued, SchedulerEta, material,
-                                            shared_prefix, work_ahead)
+from kvsidecar.connector.sglang_eta import (Ahead, EtaPlanner, PrefillRate, Queued, SchedulerEta, batch_start,
+                                            material, prefill_budget, shared_prefix, work_ahead)
 
 
 def test_work_ahead_in_admission_order_after_the_chunked_request():
@@ -78,14 +78,49 @@ def test_planner_sends_only_material_moves_and_counts_the_last_eta_down():
     assert p.last("b", 0, 12.0) is None and p.last("a", 0, 12.0) == 0.0
 
 
-def _scheduler(queue, busy_us=0, tokens=0, chunked=None):
+def _scheduler(queue, busy_us=0, tokens=0, chunked=None, **budget):
     def req(rid, n, prefix=0, ids=None):
         ids = ids if ids is not None else [ord(rid[0])] * n  # (distinct requests share no page)
         return types.SimpleNamespace(rid=rid, origin_input_ids=ids, output_ids=[], prefix_len=prefix,
                                      host_hit_length=0, cache_request_handle=types.SimpleNamespace(attempt_id=0))
     return types.SimpleNamespace(waiting_queue=[req(*q) for q in queue], total_prefill_busy_us=busy_us,
                                  total_prefill_uncached_tokens=tokens,
-                                 chunked_req=req(*chunked) if chunked else None)
+                                 chunked_req=req(*chunked) if chunked else None, **budget)
+
+
+def test_batch_start_counts_whole_batches_ahead():
+    assert [batch_start(t, 100) for t in (0, 1, 99, 100, 101, 250)] == [0, 0, 0, 100, 100, 200]
+    assert batch_start(250, 0) == 250 and batch_start(-5, 100) == 0  # unknown budget: every token ahead
+    assert prefill_budget(types.SimpleNamespace(chunked_prefill_size=4096, max_prefill_tokens=16384)) == 4096
+    assert prefill_budget(types.SimpleNamespace(chunked_prefill_size=-1, max_prefill_tokens=16384)) == 16384
+    assert prefill_budget(types.SimpleNamespace()) == 0
+
+
+def test_a_request_within_the_next_batch_starts_now_and_later_ones_wait_whole_batches():
+    """SGLang fills a prefill batch with up to ``chunked_prefill_size`` tokens in admission order
+    (the last request cut into a chunk), and every request of the batch starts with it: the ETA
+    is 0 for exactly the requests ``admissible_now`` admits, then one batch's prefill per batch
+    ahead -- not every token ahead (the second request of a batch was told one prefill too long)."""
+    from kvsidecar.connector.sglang_plugin import admissible_now
+
+    sent = []
+    queue = [("a", 60), ("b", 60), ("c", 60), ("d", 60), ("e", 60)]
+    sched = _scheduler(queue, chunked=("x", 30), chunked_prefill_size=100, max_prefill_tokens=1000)
+    eta = SchedulerEta(16, sender=True, send=lambda b: sent.extend((u.rid, u.eta_s) for u in b) or [], tracked=lambda r, a: True,
+                       history=2)
+    eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)
+    eta._hand_off = lambda updates: sent.extend((u.rid, u.eta_s) for u in updates)  # (the plan, not the thread)
+    eta.rate.s_per_token = 1e-3
+    eta.on_iteration(sched)
+    # tokens ahead: x's 30, then 60 per request: a 30, b 90, c 150, d 210, e 270
+    assert eta.history[-1][1] == (("a", 30), ("b", 90), ("c", 150), ("d", 210), ("e", 270))
+    assert sent == [("a", 0.0), ("b", 0.0), ("c", pytest.approx(0.1)), ("d", pytest.approx(0.2)), ("e", pytest.approx(0.2))]
+    now = admissible_now(sched)
+    assert [r for r, _ in queue if now(types.SimpleNamespace(rid=r))] == [r for r, e in sent if e == 0.0]
+    # a request joining the queue: 330 tokens ahead, so it starts with the fourth batch
+    assert eta.at_queue_entry(sched, "f", 0)[0] == pytest.approx(0.3)
+    sched.chunked_prefill_size = -1  # no chunking: the budget is max_prefill_tokens, one batch for all
+    assert eta.at_queue_entry(sched, "f", 0)[0] == 0.0
 
 
 def test_scheduler_glue_sends_from_rank_0_only_on_its_sender_thread():
