@@ -257,7 +257,8 @@ class KvSidecarHiCacheStorage(_Base):
         every waiting request's prefetch at every iteration, so its first check comes one
         iteration after queue entry wherever the request stands; taken as a demand (its ETA set
         to *now*) it ended every plan to read behind the queue.  The ETA stream says when the
-        prefill can start (zero at the head of the queue: the same stop, at the right time)."""
+        prefill can start (zero for every request within the next prefill batch's budget: the
+        same stop, at the right time; :mod:`kvsidecar.connector.sglang_eta`)."""
         if not self.config.sessions.enabled:
             return
         if self.config.sessions.policy == "cost_aware" and self.eta_source is not None:

@@ -8,8 +8,10 @@ rotates between trials (interleaved), one server per storage set-up:
 
 * ``no_prefetch``: HiCache without a storage backend (every prefix recomputed);
 * ``sglang_file``: SGLang's own ``file`` backend with its own prefetch policy;
-* one kvsidecar server (``--radix-cache-backend kvsidecar``, plugin policy ``cost_aware`` so the
-  ETA flows) whose sidecar is restarted per arm and L3 speed with ``sessions.policy_override``:
+* per kvsidecar arm and L3 speed, a fresh kvsidecar server (``--radix-cache-backend kvsidecar``,
+  plugin policy ``cost_aware`` so the ETA flows) and a fresh sidecar with ``sessions.policy_override``
+  (``--shared-server``: one server per trial, only the sidecar restarted per arm -- faster, but an
+  arm then inherits what the one before left in the server):
   ``whole_task`` (``wait_complete``), ``timeout`` (a short fixed budget) and ``cost_aware``; its
   file L3 is shaped with ``l3.bandwidth_mbps`` (a speed faster and one slower than recompute).
 
@@ -190,6 +192,7 @@ class Bench:
     setups: tuple = ("no_prefetch", "sglang_file", "kvsidecar")
     kvs_arms: tuple = ("whole_task", "timeout", "cost_aware")
     chunk_max_blocks: int = 0  # kvsidecar sessions' chunk (0: the sidecar's default, 128 blocks)
+    shared_server: bool = False  # one SGLang server for every kvsidecar arm of a trial (faster, not independent)
     instance_prefix: str = "kvsttft"
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -252,15 +255,22 @@ class Bench:
             holder["probe"] = c
             return c
 
-        sidecar(self.work / f"l3-{tag}-start")
-        srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg)
+        srv = None
+        if self.shared_server:
+            sidecar(self.work / f"l3-{tag}-start")
+            srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg)
         out = {}
         try:
             for mbps, arm in order:
                 over = {"l3.bandwidth_mbps": float(mbps), "sessions.policy_override": KVS_POLICY[arm]}
                 if arm == "timeout":
                     over.update(TIMEOUT_BUDGET)
+                if not self.shared_server and srv is not None:
+                    srv.stop()  # (before its sidecar goes: no re-attach churn in a server about to stop)
+                    srv = None
                 c = sidecar(self.work / f"l3-{tag}-{arm}-{mbps:g}", **over)  # a fresh pool and L3
+                if srv is None:  # a fresh server per arm: nothing an arm left behind reaches the next
+                    srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg)
 
                 def flush_pool(c=c):
                     _drain_puts(c)
@@ -275,7 +285,8 @@ class Bench:
                 res["sidecar"] = {"sessions": st.get("sessions", {}), "l3": st.get("l3", {})}
                 out[f"{arm}@{mbps:g}"] = res
         finally:
-            srv.stop()
+            if srv is not None:
+                srv.stop()
             if "sc" in holder:
                 holder["probe"].close()
                 holder["sc"].stop()
@@ -422,6 +433,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware", help="kvsidecar arms, in order")
     ap.add_argument("--chunk-max-blocks", type=int, default=8,
                     help="kvsidecar's chunk (bounds a stop's regret: 8 blocks = 32 KiB, 130 ms at 2 Mbit/s)")
+    ap.add_argument("--shared-server", action="store_true",
+                    help="one kvsidecar-backed SGLang server per trial for all its kvsidecar arms (sidecar restarted "
+                         "per arm): faster, but an arm inherits the server state the one before left (measured: "
+                         "cost_aware at 2 Mbit/s 1.6-2.5x no_prefetch right after whole_task's 5 s waits, 0.92 first)")
     ap.add_argument("--keep-data", action="store_true",
                     help="keep the L3 and file-tier stores (~500 MiB a run); logs are always kept")
     ap.add_argument("--json", required=True)
@@ -436,7 +451,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True)
     model = Model(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
     bench = Bench(work, model, speeds, trials, {"requests": a.requests, "probes": a.probes}, tuple(a.setups.split(",")),
-                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks)
+                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server)
     results = []
     try:
         for k in range(trials):
