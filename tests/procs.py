@@ -243,6 +243,19 @@ def prefetch_and_block(instance: str, layout_dict: dict, chain: bytes, conn) -> 
     conn.poll(60)
 
 
+def prefetch_cost_aware_and_block(instance: str, layout_dict: dict, chain: bytes, conn) -> None:
+    """Start a cost_aware prefetch for a scheduling candidate (ETA now, prefill 10 ms a block),
+    report, then wait to be killed."""
+    from kvsidecar.connector.kv_client import KVConnector
+    from kvsidecar.shm.layout import KVLayout
+
+    kc = KVConnector(instance, KVLayout(**layout_dict), group="doomed")
+    kc.attach()
+    kc.prefetch(chain, "r", policy="cost_aware", eta_s=0.0, prefill_s_per_block=0.01, chunk_max_blocks=8)
+    conn.send("started")
+    conn.poll(60)
+
+
 def kv_attach_and_wait(instance: str, layout_dict: dict, rank: int, group: str, conn) -> None:
     """Attach a KV rank, report, then wait for the parent's word (or be killed)."""
     from kvsidecar.connector.kv_client import KVConnector

@@ -273,6 +273,42 @@ def test_client_death_aborts_its_sessions(sidecar_factory, instance, tmp_path, k
         assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
 
 
+def test_client_killed_while_its_detached_probe_is_in_flight(sidecar_factory, instance, tmp_path, kv, l3_filled,
+                                                            spawn_ctx, read_gate):
+    """cost_aware with no L3 measurement yet: a scheduling candidate's probe read is held; past
+    the time a paying probe would take, the session ends and the read goes on without it (an
+    orphan).  The client is then killed (-9).  When the read lands, its blocks are published with
+    their own bytes and nothing is left behind: no staging, pins, leases or orphans."""
+    from .. import procs
+
+    sidecar_factory(**overrides(tmp_path, **read_gate.overrides()))  # (no calibration read at start)
+    a, b = spawn_ctx.Pipe()
+    p = spawn_ctx.Process(target=procs.prefetch_cost_aware_and_block, args=(instance, LAY.as_dict(), l3_filled, b))
+    p.start()
+    try:
+        assert a.poll(30) and a.recv() == "started"
+        with KVConnector(instance, LAY, group="observer") as c:
+            wait_read_held(c)  # the probe's read is in flight, held at the gate
+            s = wait_until(lambda: books(c), 10, "the candidate stopped waiting for its probe",
+                           until=lambda s: s["sessions"].get("probes_detached") == 1)
+            assert s["sessions"]["orphans"] == 1 and s["pool"]["staging"] > 0
+            p.kill()
+            p.join(5)
+            assert p.exitcode is not None
+            read_gate.open()
+            s = wait_until(lambda: books(c), 10, "the orphaned probe landed and left nothing behind",
+                           until=lambda s: s["sessions"]["orphans"] == 0 and s["pool"]["staging"] == 0)
+            assert s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+            assert s["sessions"].get("orphan_blocks_published", 0) > 0
+            assert get_and_check(c, l3_filled, "after", kv) == s["sessions"]["orphan_blocks_published"]
+            s = books(c)
+            assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
 def test_unknown_request_and_bad_policy(sidecar_factory, instance, tmp_path):
     sidecar_factory(**overrides(tmp_path))
     with KVConnector(instance, LAY) as c:
