@@ -20,7 +20,8 @@ Invariants:
   admission order, the last request cut into a chunk; every request of a batch starts when the
   batch does.  So the ETA counts the whole batches ahead of the request's own
   (:func:`batch_start`), not every token ahead: a request within the next batch's budget starts
-  *now* (the plugin's ``admissible_now`` is the same walk).  Counting every token ahead made
+  *now* (the plugin's ``admissible_now`` walks the same budget, over tokens not reduced by a
+  shared prefix: without shared prefixes the two agree request for request, tested).  Counting every token ahead made
   the ETA of the second request of a batch one prefill too long; cost_aware kept reading for it,
   and SGLang, which admits a request only once its prefetch is over, held it back meanwhile.
 * **The rate is SGLang's**: ``total_prefill_busy_us / total_prefill_uncached_tokens`` (the
