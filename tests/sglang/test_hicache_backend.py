@@ -181,14 +181,15 @@ def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, insta
     cost_aware restores only what lands by then: that is the hit SGLang is told (not the 64-block
     L3 hit), its pages arrive bit-exact, and the session restores no more than it.  (Before any
     read, the write-behind's measured puts are the estimate: the first request plans on them,
-    no probe.)"""
+    no probe; the calibration at start is off, its reads would be that evidence.)"""
     pool = host_pool("layer_first")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
     block_bytes = layout_for_host_pool(pool, "tiny-llama", False).block_bytes
     mb_per_s = block_bytes / 0.010 / 1e6  # 10 ms a block, the estimator's prior and the shaped tier
     sidecar_factory(**sidecar_overrides(pool, tmp_path, **{
         "l3.cost_prior_latency_ms": 1.0, "l3.cost_prior_mb_per_s": mb_per_s,
-        "l3.bandwidth_mbps": mb_per_s * 8, "sessions.probe_blocks": 2}))
+        "l3.bandwidth_mbps": mb_per_s * 8, "sessions.probe_blocks": 2,
+        "l3.calibration_blocks": 0}))  # (no read at start: the calibration's reads raced the stats below)
     b = KvSidecarHiCacheStorage(storage_config(instance, sessions={"policy": "cost_aware", "chunk_max_blocks": 4}), {})
     b.register_mem_pool_host(pool)
     n = 64
