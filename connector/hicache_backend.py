@@ -100,6 +100,9 @@ def layout_for_host_pool(pool, model_name: str | None, is_mla: bool, tp_size: in
                     head_dim=pool.head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=tp_size)
 
 
+STOPS_ON_DEMAND = ("cost_aware", "best_effort")  # the policies a demand stops (the others read on)
+
+
 @dataclasses.dataclass(frozen=True)
 class Binding:
     rid: str
@@ -132,7 +135,7 @@ class KvSidecarHiCacheStorage(_Base):
         self._anon: dict[str, int] = {}
         self.counters = {"exists_calls": 0, "get_pages_ok": 0, "get_pages_missed": 0, "set_pages_ok": 0,
                          "set_pages_failed": 0, "degraded_calls": 0, "sessions_started": 0, "sessions_joined": 0,
-                         "demands": 0, "demands_left_to_eta": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
+                         "demands": 0, "demands_left_to_eta": 0, "settle_demands": 0, "settle_demands_ending": 0, "aborts": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
                          "copies_refused": 0}
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -278,6 +281,38 @@ class KvSidecarHiCacheStorage(_Base):
                 # the query thread's prefetch has not reached the sidecar yet: it sends the demand
 
         self._call(run, None)
+
+    def stop_for_prefill(self, rid: str, attempt: int = 0) -> bool:
+        """The request can start its prefill in this scheduler iteration (the settler's
+        admissibility, :mod:`kvsidecar.connector.sglang_settle`): a demand, whatever the policy
+        -- the one scheduling candidate SGLang's own checks cannot name.  Every rank sends it
+        (idempotent).  True when the session has ended, or stopped on the demand and only
+        drains its reads in flight (a policy that stops on it: ``cost_aware``, ``best_effort``):
+        SGLang's copy of its prefix follows shortly, worth holding the iteration for.  False for
+        a session that goes on (``timeout``, ``wait_complete``: draining there is the rest of the
+        hit being read), none, or an unreachable sidecar."""
+        if not self.config.sessions.enabled:
+            return False
+        key = (str(rid), int(attempt or 0))
+        if self.session(*key) is None:
+            return False
+        self.sessions.demand(*key)  # (the first readiness check then sends no second demand)
+        self._count("settle_demands")
+
+        def run(c):
+            try:
+                return c.demand(key[0], attempt=key[1])
+            except RemoteError as exc:
+                if exc.code != ErrorCode.UNKNOWN_ID:
+                    raise
+                return None  # gone: nothing to wait for
+
+        view = self._call(run, None) or {}
+        ending = view.get("state") == "terminal" or (
+            view.get("state") == "draining" and view.get("policy") in STOPS_ON_DEMAND)
+        if ending:
+            self._count("settle_demands_ending")
+        return ending
 
     def end(self, rid: str, attempt: int = 0, abort: bool = True) -> None:
         """The request's prefetch is over for SGLang (consumed, terminated, revoked or aborted):

@@ -19,7 +19,9 @@ point ``kvsidecar = kvsidecar.connector.sglang_plugin:load`` (installed with kvs
    I/O thread ``batch_get_v1`` (per 128-page batch)         ``wait`` (published >= batch end
                                                             or stopped) + group ``get`` (hands
                                                             the prefetch lease over) + copy
-   first ``check_prefetch_progress``                        ``demand``
+   first ``check_prefetch_progress``; for ``cost_aware``,   ``demand``
+   the settler once the request can prefill this
+   iteration (after the drain, before SGLang's checks)
    ``check_prefetch_progress`` done, or the request's       ``abort`` (clean-up: drops what
    prefetch finished by ``check_hicache_events``'s drain    the session still holds)
    ``release_aborted_request`` (incl. terminate)            ``abort``
@@ -45,8 +47,10 @@ demand or abort, stopped by kvsidecar's deadline).
 3. **A hit admitted in the iteration that sent its query** (:mod:`kvsidecar.connector.sglang_settle`):
    after SGLang's per-iteration drain (``check_hicache_events``) the cache waits, bounded by
    ``sessions.settle_wait_s``, for the queries just sent and the copies of hits resident in the
-   pool, and drains again, identically on every rank.  Without it every storage hit waited two
-   scheduler iterations (forward passes, under load) for SGLang's thread hand-offs.
+   pool, and drains again, identically on every rank; a hit still read from L3 for a request
+   that can prefill in this iteration is stopped there (a demand) and its copy waited for alike.
+   Without it every storage hit waited two scheduler iterations (forward passes, under load) for
+   SGLang's thread hand-offs, and a hit stopped by the ETA hook one more.
 
 4. **ETA for cost_aware** (:mod:`kvsidecar.connector.sglang_eta`): a BEFORE hook on
    ``Scheduler.get_new_batch_prefill`` (every iteration, every rank) computes each queued
@@ -240,7 +244,8 @@ def settler_for(cache, backend: KvSidecarHiCacheStorage | None) -> HitSettler | 
         log.info("kvsidecar plugin: hit settling off (pipeline parallel, buffer-only host memory or a cache linker)")
         return None
     return HitSettler(backend.config.sessions.settle_wait_s,
-                      lambda request: backend.resident(request.rid, request.attempt_id), trace=backend.trace)
+                      lambda request: backend.resident(request.rid, request.attempt_id), trace=backend.trace,
+                      stop=lambda request: backend.stop_for_prefill(request.rid, request.attempt_id))
 
 
 def admissible_now(scheduler):

@@ -22,7 +22,14 @@ ms here: that, not kvsidecar's few milliseconds, was the fixed cost of a storage
 :class:`HitSettler`, run right after SGLang's own drain, closes both gaps within the iteration:
 for the operations whose query is still out it waits (bounded) for the answers, drains; for the
 hits that drain just handed to the I/O thread and whose data is resident in the sidecar's pool,
-it waits (bounded) for the completions, drains again.  Only for requests that could start their
+it waits (bounded) for the completions, drains again.  A hit still being read from L3 is
+waited for too once the request can start its prefill: the settler first tells the sidecar
+(``stop``: a demand, a scheduling candidate now), and waits when that ended the session or left
+it draining its last reads (``cost_aware`` stops planning at once).  That stop used to come
+from the ETA hook on ``get_new_batch_prefill``, later in the same iteration: the session ended a
+few milliseconds after this drain, and the request waited a whole forward pass for the next
+(measured in genuine SGLang at 2 Mbit/s: a read that landed 4 ms late cost its request 570 ms).
+Only for requests that could start their
 prefill in this iteration (``admissible``: the uncached tokens queued ahead of them fit in one
 iteration's prefill budget): any other waits an iteration anyway, and holding the scheduler for
 it would delay every running request for nothing (measured: 7 ms per request at 2 Mbit/s,
@@ -33,7 +40,8 @@ at this iteration's ``check_prefetch_progress``.
 ``drain_storage_control_queues`` -- depends only on the scheduler's own state
 (``ongoing_prefetch``, changed only by the synchronised drains and by requests every rank sees),
 identical on every rank.  How long a rank waits is its own affair (bounded by ``budget_s``;
-whether the data is resident is what that rank's backend knows); the drain's MIN all-reduce of
+whether the data is resident is what that rank's backend knows; every rank sends its own
+``stop``, an idempotent demand, so no rank's wait hangs on another rank's message); the drain's MIN all-reduce of
 the queue sizes takes only what every rank has, so a rank that waited in vain leaves the rest
 to the next iteration, as without the settler.  Each operation gets at most one round of each
 kind, so a slow query or an L3 read costs the scheduler at most ``budget_s`` once per request.
@@ -58,6 +66,8 @@ class SettleStats:
     rounds_copy: int = 0  # iterations that waited for resident hits' copies, then drained
     waits_met: int = 0  # waits whose condition held before the deadline
     waits_timed_out: int = 0
+    stops: int = 0  # admissible requests whose hit was not resident: their sessions told to stop
+    stops_ended: int = 0  # ... that had ended or were draining (their copies waited for)
     wait_s: float = 0.0  # total time the scheduler thread spent waiting
 
 
@@ -90,13 +100,18 @@ class HitSettler:
 
     ``resident(request)`` (SGLang's ``CacheRequestHandle``): this rank's backend knows the
     request's hit is resident in the sidecar's pool (its copy is a memcpy, worth waiting for).
+    ``stop(request)``: the request can start its prefill now -- tell its session; True when the
+    session has ended or only drains its reads in flight (its copy follows shortly, worth
+    waiting for).  Asked only of an admissible request whose hit is not resident.
     ``trace(rid, phase, t0, t1)``: optional timeline (time.perf_counter)."""
 
-    def __init__(self, budget_s: float, resident: Callable[[object], bool], trace=None):
+    def __init__(self, budget_s: float, resident: Callable[[object], bool], trace=None,
+                 stop: Callable[[object], bool] | None = None):
         if not budget_s > 0:
             raise ValueError(f"budget_s must be positive, not {budget_s!r}")
         self.budget_s = budget_s
         self.resident = resident
+        self.stop = stop
         self.trace = trace
         self.stats = SettleStats()
         self._queried: set = set()  # operations given their query round (strong refs, pruned to live ones)
@@ -130,7 +145,7 @@ class HitSettler:
         if new:
             ops = [op for _h, op in new]
             self._copied.update(ops)
-            mine = [op for h, op in new if self._resident(h)]
+            mine = [op for h, op in new if self._resident(h) or self._stopped(h)]
             if mine:
                 self._wait(cc.ack_prefetch_queue, mine, completed(mine), deadline, "settle_copy")
             cache.drain_storage_control_queues()
@@ -142,6 +157,18 @@ class HitSettler:
         except Exception:  # noqa: BLE001 - a question, never a failure of the scheduler
             log.exception("kvsidecar settle: residency check failed")
             return False
+
+    def _stopped(self, request) -> bool:
+        if self.stop is None:
+            return False
+        try:
+            ended = bool(self.stop(request))
+        except Exception:  # noqa: BLE001 - a request to the sidecar, never a failure of the scheduler
+            log.exception("kvsidecar settle: stopping the prefetch failed")
+            return False
+        self.stats.stops += 1
+        self.stats.stops_ended += ended
+        return ended
 
     def _wait(self, q, ops, present, deadline, phase) -> None:
         t0 = time.perf_counter()

@@ -222,3 +222,52 @@ def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, insta
     assert final["state"] == "terminal" and final["status"] == "cost" and got <= final["prefix"] <= hit, final
     b.end("r-plan", 0, abort=False)
     b.close()
+
+
+@pytest.mark.parametrize("policy,ends", [("cost_aware", True), ("wait_complete", False)])
+def test_a_request_that_can_prefill_now_stops_its_l3_read(sidecar_factory, instance, tmp_path, policy, ends):
+    """The settler's ``stop_for_prefill`` (the request can start its prefill in this iteration):
+    a cost_aware session still reading its plan from L3 (64 blocks at ~10 ms, the request far
+    from its prefill) ends on it with the prefix that landed -- SGLang's get then takes exactly
+    those pages, bit-exact, and no more; a wait_complete session goes on (False) and restores
+    its whole hit."""
+    pool = host_pool("layer_first")
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+    block_bytes = layout_for_host_pool(pool, "tiny-llama", False).block_bytes
+    mb_per_s = block_bytes / 0.010 / 1e6
+    sidecar_factory(**sidecar_overrides(pool, tmp_path, **{
+        "l3.cost_prior_latency_ms": 1.0, "l3.cost_prior_mb_per_s": mb_per_s,
+        "l3.bandwidth_mbps": mb_per_s * 8, "l3.calibration_blocks": 0}))
+    b = KvSidecarHiCacheStorage(storage_config(instance, sessions={"policy": policy, "chunk_max_blocks": 2}), {})
+    b.register_mem_pool_host(pool)
+    n = 64
+    ks = keys(n, salt="stop")
+    assert all(b.batch_set_v1(ks, page_indices(range(n))))
+    want = page_bytes(pool, range(n))
+    with b.connection() as c:
+        wait_l3_idle(c)
+        c.flush()  # only L3 holds the chain now
+    b.eta_source = lambda rid, attempt: (30.0, 0.005)  # far from its prefill: cost_aware plans the whole hit
+    with b.bind("r-stop", 0):
+        assert b.batch_exists(ks) == n
+    if ends:  # (wait_complete reads the whole hit as one claim: it is stopped while reading it)
+        with b.connection() as c:
+            wait_until(lambda: c.poll("r-stop")["published"] >= 4, 10, "the first blocks to land")
+    assert b.stop_for_prefill("r-stop", 0) is ends
+    assert b.counters["settle_demands"] == 1 and b.counters["settle_demands_ending"] == int(ends)
+    res = b.batch_get_v1(ks, page_indices(range(100, 100 + n)))
+    got = res.count(True)
+    assert res == [True] * got + [False] * (n - got), res
+    assert page_bytes(pool, range(100, 100 + got)) == want[:got * (len(want) // n)]
+    with b.connection() as c:
+        final = c.wait("r-stop", attempt=0, terminal=True, timeout_s=10.0)
+        if ends:
+            assert final["status"] == "cost" and 4 <= final["prefix"] == got < n, final
+        else:
+            assert final["status"] == "complete" and got == n, final
+    b.end("r-stop", 0, abort=False)
+    assert b.stop_for_prefill("r-stop", 0) is False  # over: nothing to stop or wait for
+    with b.connection() as c:
+        s = c.stats(check=True)
+    assert s["invariants"] == "", s["invariants"]
+    b.close()

@@ -164,6 +164,70 @@ def test_a_hit_not_resident_is_not_waited_for_but_still_drained():
     assert cache.ready == [h]
 
 
+def test_an_admissible_hit_still_reading_is_stopped_and_its_copy_waited_for():
+    """Not resident, but the request can prefill now: the settler tells the session (``stop``)
+    and, as the session is ending, waits for the copy -- the request is ready in this iteration
+    instead of a forward pass later."""
+    cache = Cache()
+    h, op = cache.enter("r1")
+    answer(cache, op, 4)
+    timers = []
+
+    def stop(req):
+        assert req == h
+        timers.append(later(0.03, lambda: complete(cache, op)))  # its last read lands, then the copy
+        return True
+    s = HitSettler(2.0, resident=lambda req: False, stop=stop)
+    t0 = time.monotonic()
+    s.settle(cache)
+    assert time.monotonic() - t0 < 1.5  # woken by the completion, not the deadline
+    assert cache.ready == [h] and cache.drains == 2
+    assert (s.stats.stops, s.stats.stops_ended, s.stats.waits_met) == (1, 1, 2)
+    for t in timers:
+        t.join()
+
+
+def test_a_session_that_goes_on_is_not_waited_for():
+    """``stop`` says the session goes on (``wait_complete``, ``timeout``): drained, not waited for."""
+    cache = Cache()
+    h, op = cache.enter("r1")
+    answer(cache, op, 4)
+    s = HitSettler(2.0, resident=lambda req: False, stop=lambda req: False)
+    t0 = time.monotonic()
+    s.settle(cache)
+    assert time.monotonic() - t0 < 1.0 and cache.ready == [] and cache.drains == 2
+    assert (s.stats.stops, s.stats.stops_ended, s.stats.waits_timed_out) == (1, 0, 0)
+
+
+def test_stop_is_asked_only_of_admissible_requests_whose_hit_is_not_resident():
+    cache = Cache()
+    (h1, op1), (h2, op2), (h3, op3) = cache.enter("r1"), cache.enter("r2"), cache.enter("r3")
+    for op in (op1, op2, op3):
+        answer(cache, op, 4)
+    asked = []
+
+    def stop(req):
+        asked.append(req.rid)
+        return False
+    s = HitSettler(0.05, resident=lambda req: req.rid == "r1", stop=stop)
+    s.settle(cache, admissible=lambda req: req.rid != "r3")
+    assert asked == ["r2"]  # r1 resident (waited for), r3 not a candidate this iteration
+    s.settle(cache, admissible=lambda req: True)  # r3's turn; r2 had its round
+    assert asked == ["r2", "r3"]
+
+
+def test_a_failing_stop_is_a_no_not_a_crash():
+    cache = Cache()
+    h, op = cache.enter("r1")
+    answer(cache, op, 4)
+
+    def boom(req):
+        raise RuntimeError("sidecar gone")
+    s = HitSettler(1.0, resident=lambda req: False, stop=boom)
+    s.settle(cache)
+    assert cache.drains == 2 and cache.ready == [] and s.stats.waits_timed_out == 0
+
+
 def test_a_late_answer_costs_at_most_the_budget_once():
     cache = Cache()
     h, op = cache.enter("r1")
