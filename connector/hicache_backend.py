@@ -287,8 +287,9 @@ class KvSidecarHiCacheStorage(_Base):
         admissibility, :mod:`kvsidecar.connector.sglang_settle`): a demand, whatever the policy
         -- the one scheduling candidate SGLang's own checks cannot name.  Every rank sends it
         (idempotent).  True when the session has ended, or stopped on the demand and only
-        drains its reads in flight (a policy that stops on it: ``cost_aware``, ``best_effort``):
-        SGLang's copy of its prefix follows shortly, worth holding the iteration for.  False for
+        drains its reads in flight (a policy that stops on it: ``cost_aware``, ``best_effort``),
+        which it waits for no longer than half ``settle_wait_s`` (``drain_s``): SGLang's copy of
+        its prefix follows shortly, worth holding the iteration for.  False for
         a session that goes on (``timeout``, ``wait_complete``: draining there is the rest of the
         hit being read), none, or an unreachable sidecar."""
         if not self.config.sessions.enabled:
@@ -298,10 +299,13 @@ class KvSidecarHiCacheStorage(_Base):
             return False
         self.sessions.demand(*key)  # (the first readiness check then sends no second demand)
         self._count("settle_demands")
+        # SGLang admits the request in this iteration or a forward pass later: a read that has
+        # not landed within half the settler's wait is left behind (the rest covers the copy)
+        drain_s = self.config.sessions.settle_wait_s / 2
 
         def run(c):
             try:
-                return c.demand(key[0], attempt=key[1])
+                return c.demand(key[0], attempt=key[1], drain_s=drain_s)
             except RemoteError as exc:
                 if exc.code != ErrorCode.UNKNOWN_ID:
                     raise

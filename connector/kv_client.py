@@ -258,9 +258,12 @@ class KVConnector:
                       fixed_hit=fixed_hit or None)
         return self.client.call("prefetch", **fields) if wait else self.client.send("prefetch", **fields)
 
-    def demand(self, req: str, attempt: int = 0) -> dict:
-        """The request became a scheduling candidate (stops best_effort)."""
-        return self.client.call("demand", req=req, attempt=attempt or None)
+    def demand(self, req: str, attempt: int = 0, drain_s: float | None = None) -> dict:
+        """The request became a scheduling candidate (stops best_effort, and cost_aware where
+        nothing more pays).  ``drain_s``: the engine admits it within that many seconds -- a
+        session the demand stopped (or that was already stopping) waits no longer than that for
+        its reads in flight: it hands over what landed and leaves the rest behind."""
+        return self.client.call("demand", req=req, attempt=attempt or None, drain_s=drain_s)
 
     def abort(self, req: str, attempt: int = 0) -> dict:
         """The request left: stop, drain, release everything its session held."""

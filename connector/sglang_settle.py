@@ -25,7 +25,8 @@ hits that drain just handed to the I/O thread and whose data is resident in the 
 it waits (bounded) for the completions, drains again.  A hit still being read from L3 is
 waited for too once the request can start its prefill: the settler first tells the sidecar
 (``stop``: a demand, a scheduling candidate now), and waits when that ended the session or left
-it draining its last reads (``cost_aware`` stops planning at once).  That stop used to come
+it draining its last reads (``cost_aware`` stops planning at once; the demand bounds the drain,
+reads that would land later are left behind).  That stop used to come
 from the ETA hook on ``get_new_batch_prefill``, later in the same iteration: the session ended a
 few milliseconds after this drain, and the request waited a whole forward pass for the next
 (measured in genuine SGLang at 2 Mbit/s: a read that landed 4 ms late cost its request 570 ms).

@@ -84,7 +84,9 @@ OP_SCHEMAS: dict[str, OpSchema] = {
          "eta_s": FLOAT, "prefill_s_per_block": FLOAT, "fixed_hit": BOOL},
         kv=True,
     ),
-    "demand": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
+    # ``drain_s``: the engine admits the request within it -- a session the demand stops hands
+    # over what has landed by then and leaves its later reads behind
+    "demand": OpSchema({"req": STR}, {"attempt": INT, "drain_s": FLOAT}, kv=True),
     "abort": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
     "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT, "demand": BOOL}, kv=True),
     "wait": OpSchema({"req": STR}, {"attempt": INT, "until": INT, "terminal": BOOL, "wait_s": FLOAT}, kv=True),

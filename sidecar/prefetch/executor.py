@@ -212,20 +212,26 @@ class SessionExecutor:
             out += rec.machine.handle(ChunkWithdrawn(chunk, self.clock()))
         return out
 
-    def abandon_in_flight(self, rec: Record) -> list:
-        """The drain budget ran out: stop waiting on reads still in flight (they become orphans).
-        Returns the machine's actions; the caller runs them and wakes the session's waiters."""
+    def abandon_in_flight(self, rec: Record, expected: bool = False) -> list:
+        """The drain budget ran out (``expected``: the engine's own bound on a demand, no fault):
+        stop waiting on reads still in flight (they become orphans).  Returns the machine's
+        actions; the caller runs them and wakes the session's waiters."""
         now = self.clock()
-        actions = []
+        actions, left = [], 0
         for chunk, io in list(rec.chunks.items()):
             if not rec.machine.chunk_pending(chunk):
                 continue  # its data landed (it waits for a predecessor) or it is being dropped
             del rec.chunks[chunk]
             self.pool.leave_behind(io.plan, rec.machine.published)
             rec.abandoned += 1
+            left += 1
             self.counters["chunks_abandoned"] += 1
             actions += rec.machine.handle(ChunkAbandoned(chunk, now))
-        if rec.abandoned:
+        if left and expected:
+            self.counters["chunks_left_at_demand"] += left
+            log.debug("session %d: the engine admits the request now, %d chunk(s) in flight left behind",
+                      rec.id, left)
+        elif left:
             log.warning("session %d: drain budget ran out, %d chunk(s) still in flight left behind",
                         rec.id, rec.abandoned)
         return actions

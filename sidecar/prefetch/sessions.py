@@ -145,6 +145,16 @@ class SessionManager(Service):
         if rec is None:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         self._demand(rec)
+        drain_s = msg.get("drain_s")
+        if drain_s is not None and rec.machine.state == State.DRAINING:
+            # the engine admits the request within drain_s: a read landing later is of no use to
+            # it (SGLang would hold the request a whole forward pass for it), so the session
+            # waits no longer than that (its own drain budget is for an engine that waits)
+            self._counters["demands_drain_bounded"] += 1
+            if drain_s <= 0:
+                self._drain_expired(rec.id, demanded=True)
+            else:
+                self.host.call_at(self.clock() + drain_s, self._drain_expired, rec.id, True)
         return self._view(rec)
 
     def _demand(self, rec: Record) -> None:
@@ -343,12 +353,17 @@ class SessionManager(Service):
     def _drain_budget(self, rec: Record) -> float:
         return drain_budget(rec, self.tier, self.cfg)
 
-    def _drain_expired(self, sid: int) -> None:
-        """The drain budget ran out: stop waiting on reads still in flight (they become orphans)."""
+    def _drain_expired(self, sid: int, demanded: bool = False) -> None:
+        """The drain budget (or the engine's ``drain_s``: ``demanded``) ran out: stop waiting on
+        reads still in flight (they become orphans)."""
         rec = self.by_id.get(sid)
         if rec is None or rec.machine.state != State.DRAINING:
             return
-        self._run(rec, self.executor.abandon_in_flight(rec))  # (through _run: its waiters are woken)
+        # the engine's bound also takes the reads queued behind (a stop whose claims still paid
+        # kept them): none would land in time either
+        actions = self.executor.withdraw_queued(rec) if demanded else []
+        actions += self.executor.abandon_in_flight(rec, expected=demanded)
+        self._run(rec, actions)  # (through _run: its waiters are woken)
 
     def _finish(self, rec: Record, a: Finish) -> None:
         now = self.clock()

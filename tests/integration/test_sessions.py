@@ -118,6 +118,39 @@ def test_a_poll_with_demand_is_a_demand_in_one_round_trip(sidecar_factory, insta
         books(c)
 
 
+def test_a_demand_with_drain_s_hands_over_what_landed_and_leaves_its_reads_behind(
+        sidecar_factory, instance, tmp_path, kv, l3_filled, read_gate):
+    """``demand(drain_s=...)``: the engine admits the request within ``drain_s`` (SGLang's
+    settler).  A session the demand stops waits no longer than that for its reads in flight:
+    with 0 it is terminal in the same reply, holding what landed (nothing: its read is held at
+    the gate), and the held read is left behind -- when it lands its blocks are published with
+    their own bytes, and nothing is left over.  A session the demand does not stop (``timeout``)
+    reads its whole hit, ``drain_s`` or not."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}, **read_gate.overrides()))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
+        wait_read_held(c)  # a chunk's read is in flight
+        v = c.demand("a", drain_s=0.0)
+        assert v["state"] == "terminal" and v["status"] == "demanded" and v["prefix"] == 0, v
+        assert get_and_check(c, l3_filled, "a", kv) == 0
+        s = books(c)
+        assert s["sessions"]["demands_drain_bounded"] == 1 and s["sessions"]["chunks_left_at_demand"] == 1
+        assert s["sessions"]["orphans"] == 1 and s["pool"]["staging"] > 0
+        read_gate.open()
+        s = wait_until(lambda: books(c), 10, "the left-behind read landed and left nothing over",
+                       until=lambda s: s["sessions"]["orphans"] == 0 and s["pool"]["staging"] == 0)
+        published = s["sessions"].get("orphan_blocks_published", 0)
+        assert published > 0 and get_and_check(c, l3_filled, "after", kv) == published
+        c.prefetch(l3_filled, "b", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        c.demand("b", drain_s=0.0)  # timeout reads on: the bound is for a session the demand stops
+        p = wait_terminal(c, "b")
+        assert p["status"] == "complete" and p["prefix"] == N
+        assert get_and_check(c, l3_filled, "b", kv) == N
+        s = books(c)
+        assert s["sessions"]["demands_drain_bounded"] == 1 and s["leases"]["live"] == 0
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0
+
+
 def test_a_poll_scan_is_the_schedulers_scan_in_one_round_trip(sidecar_factory, instance, tmp_path, kv, l3_filled,
                                                                 read_gate):
     """``poll_scan``: each entry is exactly a ``poll`` (demand, the group's decision per request

@@ -220,6 +220,7 @@ FIELD = {
     "terminal": st.booleans(),
     "demand": st.booleans(),
     "wait_s": st.sampled_from([0, 0.0, 1e-4, 0.001, 0.02]),
+    "drain_s": st.sampled_from([0, 0.0, 1e-4, 0.005, 0.02, 1e9]) | st.floats(0, 0.1),
     "until_ready": st.booleans(),
     "get": st.booleans(),  # (a poll_scan that leases the terminal session it stops at)
 }
