@@ -128,6 +128,10 @@ class ChunkAbandoned:
 class Demand:
     now: float  # the request became a scheduling candidate
     outlook: Outlook | None = None  # cost_aware: re-plan with this (its eta is now)
+    # the engine admits the request now with what has landed (SGLang's settler: ``demand``
+    # with ``drain_s``): cost_aware stops claiming and withdraws what has not started, even
+    # where reads would still pay -- landing after the admission they are of no use to it
+    admitted: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,8 @@ Guarantees (checked by the property tests):
   span is one claim;
 * ``cost_aware`` claims a chunk only while :func:`kvsidecar.sidecar.prefetch.cost.next_claim` says it
   lowers the request's expected TTFT, from the latest :class:`Outlook` an event brought
-  (``Demand`` is a re-plan with the ETA at *now*, not a seal) -- and, while the request is
+  (``Demand`` is a re-plan with the ETA at *now*, not a seal, unless the engine admits the request
+  at once, ``Demand.admitted``: then it seals and withdraws what has not started) -- and, while the request is
   queued and its engine takes what is resident (no ``fixed_hit``), whole chunks until the demand
   (:func:`kvsidecar.sidecar.prefetch.cost.queued_chunk`); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
@@ -428,7 +429,12 @@ class Session:
         if self.p.policy == Policy.COST_AWARE:
             if e.outlook is None:
                 raise IllegalEvent("Demand for a cost_aware session without an Outlook")
-            return self._on_replan(Replan(e.now, e.outlook))
+            if not e.admitted:
+                return self._on_replan(Replan(e.now, e.outlook))
+            self._new_outlook(e.outlook)
+            self._seal(Status.COST, "admitted")  # (an earlier stop keeps its own status)
+            self.keep_admitted = False  # withdraw what has not started: it cannot land in time
+            return self._advance()
         if self.p.policy != Policy.BEST_EFFORT:
             return []  # demand is a normal engine event; only best_effort stops on it
         self._seal(Status.DEMANDED, "demand")

@@ -144,8 +144,8 @@ class SessionManager(Service):
         rec = self.records.get(self._key(conn, msg))
         if rec is None:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
-        self._demand(rec)
         drain_s = msg.get("drain_s")
+        self._demand(rec, admitted=drain_s is not None)
         if drain_s is not None and rec.machine.state == State.DRAINING:
             # the engine admits the request within drain_s: a read landing later is of no use to
             # it (SGLang would hold the request a whole forward pass for it), so the session
@@ -157,9 +157,10 @@ class SessionManager(Service):
                 self.host.call_at(self.clock() + drain_s, self._drain_expired, rec.id, True)
         return self._view(rec)
 
-    def _demand(self, rec: Record) -> None:
+    def _demand(self, rec: Record, admitted: bool = False) -> None:
         """The request became a scheduling candidate (``demand``, or a ``poll`` with ``demand``);
-        idempotent: every rank of the group sends it."""
+        idempotent: every rank of the group sends it.  ``admitted``: the engine admits it now
+        with what has landed (``Demand.admitted``)."""
         self._trigger(rec, "demand")
         if not rec.demanded:  # its queued reads go ahead of every request not yet a candidate
             for io in rec.chunks.values():
@@ -169,7 +170,7 @@ class SessionManager(Service):
         now = self.clock()
         if rec.eta is None or rec.eta > now:
             rec.eta = now  # a scheduling candidate: its prefill could start now
-        self._run(rec, rec.machine.handle(Demand(now, self._outlook(rec, now))))
+        self._run(rec, rec.machine.handle(Demand(now, self._outlook(rec, now), admitted=admitted)))
 
     def op_abort(self, conn, msg) -> dict:
         rec = self.records.get(self._key(conn, msg))

@@ -11,7 +11,7 @@ from kvsidecar.shm.protocol import PROTOCOL_VERSION, decode_request, encode
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel, ReadEstimate
 from kvsidecar.sidecar.prefetch import cost
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.events import (Abort, ChunkDone, Claim, Demand, Detach, Finish, IllegalEvent,
+from kvsidecar.sidecar.prefetch.events import (Abort, ChunkDone, ChunkWithdrawn, Claim, Demand, Detach, Finish, IllegalEvent,
                                                Policy, Query, QueryDone, Replan, Start, State, Status, Tick)
 from kvsidecar.sidecar.prefetch.machine import Params, Session
 from tests.unit.sidecar.prefetch.test_executor import Bench, terminal
@@ -264,6 +264,25 @@ def test_machine_demand_replans_with_the_eta_at_now(regime, sealed):
     else:  # a demand is not a seal: every further chunk still lowers TTFT
         assert s.state == State.RUNNING
         assert run_to_end(s, 0.1, ol(eta=0.05, regime=regime)).status == Status.COMPLETE
+
+
+@pytest.mark.parametrize("regime", [FAST, SLOW])
+def test_machine_an_admitted_demand_seals_even_where_reads_still_pay(regime):
+    """The engine admits the request now with what has landed (SGLang's settler: ``demand`` with
+    ``drain_s``): cost_aware stops and lets what has not started go, even where the reads would
+    still pay (FAST: a plain demand reads on) -- landing later, they are of no use to the request."""
+    s = session(chunk=8, outlook=ol(eta=1.0, regime=regime))
+    s.handle(QueryDone(64, 0.0, ol(eta=1.0, regime=regime)))
+    assert len(s.chunks) == 2
+    a = s.handle(Demand(0.05, ol(eta=0.05, regime=regime, backlog_s=lane_backlog(s, regime)), admitted=True))
+    assert not finish(a) and not claims(a)
+    assert s.sealed and s.status == Status.COST and s.reason == "admitted" and not s.keep_admitted
+    assert s.state == State.DRAINING
+    first, second = sorted(s.chunks.values(), key=lambda c: c.start)
+    s.handle(ChunkDone(first.id, (True,) * first.count, 0.06))
+    f = finish(s.handle(ChunkWithdrawn(second.id, 0.06)))  # (the executor withdraws the one not started)
+    assert f is not None and f.status == Status.COST and f.prefix == first.count
+    assert not s.handle(Demand(0.07, ol(eta=0.07, regime=regime), admitted=True))  # terminal: ignored
 
 
 def test_machine_demand_without_an_outlook_is_a_caller_bug():
