@@ -216,18 +216,6 @@ def test_stop_is_asked_only_of_admissible_requests_whose_hit_is_not_resident():
     assert asked == ["r2", "r3"]
 
 
-def test_a_failing_stop_is_a_no_not_a_crash():
-    cache = Cache()
-    h, op = cache.enter("r1")
-    answer(cache, op, 4)
-
-    def boom(req):
-        raise RuntimeError("sidecar gone")
-    s = HitSettler(1.0, resident=lambda req: False, stop=boom)
-    s.settle(cache)
-    assert cache.drains == 2 and cache.ready == [] and s.stats.waits_timed_out == 0
-
-
 def test_a_late_answer_costs_at_most_the_budget_once():
     cache = Cache()
     h, op = cache.enter("r1")
@@ -251,16 +239,20 @@ def test_nothing_in_flight_costs_no_drain():
     assert cache.drains == 0 and s.stats.rounds_query == 0
 
 
-def test_a_failing_residency_check_is_a_no_not_a_crash():
+@pytest.mark.parametrize("failing", ["resident", "stop"])
+def test_a_failing_callback_is_a_no_not_a_crash(failing):
+    """The residency check or the stop raising (the backend gone) counts as a no: only the
+    query is waited for, and the scheduler goes on."""
     cache = Cache()
     h, op = cache.enter("r1")
     answer(cache, op, 4)
 
     def boom(req):
         raise RuntimeError("backend gone")
-    s = HitSettler(1.0, resident=boom)
+    s = (HitSettler(1.0, resident=boom) if failing == "resident"
+         else HitSettler(1.0, resident=lambda req: False, stop=boom))
     s.settle(cache)
-    assert cache.drains == 2 and s.stats.waits_met == 1  # the query wait only
+    assert cache.drains == 2 and cache.ready == [] and s.stats.waits_met == 1  # the query wait only
 
 
 def test_tp_ranks_make_the_same_collective_calls_when_one_rank_waits_in_vain():
