@@ -129,8 +129,10 @@ class Demand:
     now: float  # the request became a scheduling candidate
     outlook: Outlook | None = None  # cost_aware: re-plan with this (its eta is now)
     # the engine admits the request now with what has landed (SGLang's settler: ``demand``
-    # with ``drain_s``): cost_aware stops claiming and withdraws what has not started, even
-    # where reads would still pay -- landing after the admission they are of no use to it
+    # with ``drain_s``): cost_aware, where restoring is dearer per block than prefill, stops
+    # claiming and withdraws what has not started even where the reads in flight would pay at
+    # the ETA -- landing after the admission, they are of no use to it (reads cheaper than
+    # prefill are still worth the engine's next admission: re-planned as usual)
     admitted: bool = False
 
 

@@ -30,7 +30,8 @@ Guarantees (checked by the property tests):
 * ``cost_aware`` claims a chunk only while :func:`kvsidecar.sidecar.prefetch.cost.next_claim` says it
   lowers the request's expected TTFT, from the latest :class:`Outlook` an event brought
   (``Demand`` is a re-plan with the ETA at *now*, not a seal, unless the engine admits the request
-  at once, ``Demand.admitted``: then it seals and withdraws what has not started) -- and, while the request is
+  at once, ``Demand.admitted``, and restoring is dearer per block than prefill: then it seals and
+  withdraws what has not started) -- and, while the request is
   queued and its engine takes what is resident (no ``fixed_hit``), whole chunks until the demand
   (:func:`kvsidecar.sidecar.prefetch.cost.queued_chunk`); when it stops claiming it seals
   with ``Status.COST`` and says (``keep_admitted``) whether chunks already claimed are still
@@ -429,7 +430,9 @@ class Session:
         if self.p.policy == Policy.COST_AWARE:
             if e.outlook is None:
                 raise IllegalEvent("Demand for a cost_aware session without an Outlook")
-            if not e.admitted:
+            if not e.admitted or e.outlook.restore_pays_per_block:
+                # (reads cheaper than prefill are worth the engine's next admission: the
+                # recompute they save outweighs a late start, so they are re-planned as usual)
                 return self._on_replan(Replan(e.now, e.outlook))
             self._new_outlook(e.outlook)
             self._seal(Status.COST, "admitted")  # (an earlier stop keeps its own status)

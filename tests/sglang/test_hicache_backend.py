@@ -224,13 +224,16 @@ def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, insta
     b.close()
 
 
-@pytest.mark.parametrize("policy,ends", [("cost_aware", True), ("wait_complete", False)])
-def test_a_request_that_can_prefill_now_stops_its_l3_read(sidecar_factory, instance, tmp_path, policy, ends):
+@pytest.mark.parametrize("policy,prefill_s,ends", [("cost_aware", 0.005, True), ("cost_aware", 0.05, False),
+                                                   ("wait_complete", 0.005, False)])
+def test_a_request_that_can_prefill_now_stops_its_l3_read(sidecar_factory, instance, tmp_path, policy,
+                                                         prefill_s, ends):
     """The settler's ``stop_for_prefill`` (the request can start its prefill in this iteration):
-    a cost_aware session still reading its plan from L3 (64 blocks at ~10 ms, the request far
-    from its prefill) ends on it with the prefix that landed -- SGLang's get then takes exactly
-    those pages, bit-exact, and no more; a wait_complete session goes on (False) and restores
-    its whole hit."""
+    a cost_aware session still reading its plan from L3 (64 blocks at ~10 ms, dearer than the
+    5 ms prefill, the request far from its prefill) ends on it with the prefix that landed --
+    SGLang's get then takes exactly those pages, bit-exact, and no more.  Reads cheaper than
+    prefill (50 ms a block) are worth SGLang's next admission: the session reads on (False) and
+    restores the whole hit, as a wait_complete session does."""
     pool = host_pool("layer_first")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
     block_bytes = layout_for_host_pool(pool, "tiny-llama", False).block_bytes
@@ -247,10 +250,10 @@ def test_a_request_that_can_prefill_now_stops_its_l3_read(sidecar_factory, insta
     with b.connection() as c:
         wait_l3_idle(c)
         c.flush()  # only L3 holds the chain now
-    b.eta_source = lambda rid, attempt: (30.0, 0.005)  # far from its prefill: cost_aware plans the whole hit
+    b.eta_source = lambda rid, attempt: (30.0, prefill_s)  # far from its prefill: cost_aware plans the whole hit
     with b.bind("r-stop", 0):
         assert b.batch_exists(ks) == n
-    if ends:  # (wait_complete reads the whole hit as one claim: it is stopped while reading it)
+    if policy == "cost_aware":  # (wait_complete reads the whole hit as one claim: asked while reading it)
         with b.connection() as c:
             wait_until(lambda: c.poll("r-stop")["published"] >= 4, 10, "the first blocks to land")
     assert b.stop_for_prefill("r-stop", 0) is ends

@@ -266,23 +266,41 @@ def test_machine_demand_replans_with_the_eta_at_now(regime, sealed):
         assert run_to_end(s, 0.1, ol(eta=0.05, regime=regime)).status == Status.COMPLETE
 
 
-@pytest.mark.parametrize("regime", [FAST, SLOW])
-def test_machine_an_admitted_demand_seals_even_where_reads_still_pay(regime):
+def test_machine_an_admitted_demand_stops_reads_dearer_than_prefill_even_where_they_would_pay():
     """The engine admits the request now with what has landed (SGLang's settler: ``demand`` with
-    ``drain_s``): cost_aware stops and lets what has not started go, even where the reads would
-    still pay (FAST: a plain demand reads on) -- landing later, they are of no use to the request."""
-    s = session(chunk=8, outlook=ol(eta=1.0, regime=regime))
-    s.handle(QueryDone(64, 0.0, ol(eta=1.0, regime=regime)))
-    assert len(s.chunks) == 2
-    a = s.handle(Demand(0.05, ol(eta=0.05, regime=regime, backlog_s=lane_backlog(s, regime)), admitted=True))
+    ``drain_s``).  Restoring dearer per block than prefill, cost_aware stops and lets what has
+    not started go even where the read in flight would still pay at the ETA (a plain demand keeps
+    it: ``keep_admitted``) -- landing after the admission, it is of no use to the request.
+    Restoring cheaper than prefill, the reads are worth the engine's next admission: re-planned as
+    a plain demand."""
+    slow = dict(l3_latency_s=0.002, l3_s_per_block=0.012)  # dearer than prefill, but a short tail pays
+    plain = session(chunk=8, outlook=ol(eta=1.0, regime=slow))
+    plain.handle(QueryDone(64, 0.0, ol(eta=1.0, regime=slow)))
+    first = min(plain.chunks.values(), key=lambda c: c.start)
+    plain.handle(ChunkDone(first.id, (True,) * first.count, 0.095, ol(eta=0.9, regime=slow)))
+    admitted = session(chunk=8, outlook=ol(eta=1.0, regime=slow))
+    admitted.handle(QueryDone(64, 0.0, ol(eta=1.0, regime=slow)))
+    first = min(admitted.chunks.values(), key=lambda c: c.start)
+    admitted.handle(ChunkDone(first.id, (True,) * first.count, 0.095, ol(eta=0.9, regime=slow)))
+    at = ol(eta=0.1, regime=slow, backlog_s=0.002)  # the next read almost done: it pays at the ETA
+    plain.handle(Demand(0.1, at))
+    a = admitted.handle(Demand(0.1, at, admitted=True))
     assert not finish(a) and not claims(a)
-    assert s.sealed and s.status == Status.COST and s.reason == "admitted" and not s.keep_admitted
-    assert s.state == State.DRAINING
-    first, second = sorted(s.chunks.values(), key=lambda c: c.start)
-    s.handle(ChunkDone(first.id, (True,) * first.count, 0.06))
-    f = finish(s.handle(ChunkWithdrawn(second.id, 0.06)))  # (the executor withdraws the one not started)
-    assert f is not None and f.status == Status.COST and f.prefix == first.count
-    assert not s.handle(Demand(0.07, ol(eta=0.07, regime=regime), admitted=True))  # terminal: ignored
+    assert admitted.sealed and admitted.status == Status.COST and admitted.reason == "admitted"
+    assert not admitted.keep_admitted and admitted.state == State.DRAINING
+    assert plain.state == State.RUNNING and not plain.sealed  # a plain demand reads on: the reads pay
+    pending = sorted((c for c in admitted.chunks.values() if c.ok is None), key=lambda c: c.start)
+    out = admitted.handle(ChunkDone(pending[0].id, (True,) * pending[0].count, 0.105))
+    for c in pending[1:]:  # (the executor withdraws the ones not started)
+        out += admitted.handle(ChunkWithdrawn(c.id, 0.105))
+    f = finish(out)
+    assert f is not None and f.status == Status.COST and f.prefix == first.count + pending[0].count
+    assert not admitted.handle(Demand(0.2, ol(eta=0.2, regime=slow), admitted=True))  # terminal: ignored
+    fast = session(chunk=8, outlook=ol(eta=1.0, regime=FAST))
+    fast.handle(QueryDone(64, 0.0, ol(eta=1.0, regime=FAST)))
+    fast.handle(Demand(0.05, ol(eta=0.05, regime=FAST, backlog_s=lane_backlog(fast, FAST)), admitted=True))
+    assert not fast.sealed and fast.state == State.RUNNING
+    assert run_to_end(fast, 0.1, ol(eta=0.05, regime=FAST)).status == Status.COMPLETE
 
 
 def test_machine_demand_without_an_outlook_is_a_caller_bug():
