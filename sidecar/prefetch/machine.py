@@ -430,11 +430,9 @@ class Session:
         if self.p.policy == Policy.COST_AWARE:
             if e.outlook is None:
                 raise IllegalEvent("Demand for a cost_aware session without an Outlook")
-            if not e.admitted or e.outlook.restore_pays_per_block:
-                # (reads cheaper than prefill are worth the engine's next admission: the
-                # recompute they save outweighs a late start, so they are re-planned as usual)
-                return self._on_replan(Replan(e.now, e.outlook))
             self._new_outlook(e.outlook)
+            if not e.admitted or self.reads_outlast_admission:
+                return self._on_replan(Replan(e.now, e.outlook))
             self._seal(Status.COST, "admitted")  # (an earlier stop keeps its own status)
             self.keep_admitted = False  # withdraw what has not started: it cannot land in time
             return self._advance()
@@ -466,6 +464,14 @@ class Session:
         if self.state == State.CREATED:
             self.state = State.RUNNING
         return self._advance()
+
+    @property
+    def reads_outlast_admission(self) -> bool:
+        """cost_aware's reads are cheaper per block than prefill: worth the engine's next
+        admission (the recompute they save outweighs a late start), so an engine's admission
+        neither stops them (``Demand.admitted``) nor bounds their drain (``demand`` with
+        ``drain_s``)."""
+        return self.outlook is not None and self.outlook.restore_pays_per_block
 
     def chunk_pending(self, chunk: int) -> bool:
         """True while ``chunk`` is claimed and its results are not in."""

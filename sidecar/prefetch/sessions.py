@@ -146,14 +146,10 @@ class SessionManager(Service):
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         drain_s = msg.get("drain_s")
         self._demand(rec, admitted=drain_s is not None)
-        outlook = rec.machine.outlook
-        if drain_s is not None and rec.machine.state == State.DRAINING and not (
-                outlook is not None and outlook.restore_pays_per_block):
+        if drain_s is not None and rec.machine.state == State.DRAINING and not rec.machine.reads_outlast_admission:
             # the engine admits the request within drain_s: a read landing later is of no use to
             # it (SGLang would hold the request a whole forward pass for it), so the session
-            # waits no longer than that (its own drain budget is for an engine that waits).
-            # Reads cheaper than prefill (cost_aware's estimate) are drained as usual: they are
-            # worth the engine's next admission.
+            # waits no longer than that (its own drain budget is for an engine that waits)
             self._counters["demands_drain_bounded"] += 1
             if drain_s <= 0:
                 self._drain_expired(rec.id, demanded=True)
