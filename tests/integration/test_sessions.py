@@ -130,6 +130,11 @@ def test_a_demand_with_drain_s_hands_over_what_landed_and_leaves_its_reads_behin
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
         wait_read_held(c)  # a chunk's read is in flight
+        for bad in (-1.0, float("nan"), float("inf")):  # refused, typed; the session is untouched
+            with pytest.raises(RemoteError) as err:
+                c.demand("a", drain_s=bad)
+            assert err.value.code == ErrorCode.BAD_FIELD
+        assert c.poll("a")["state"] == "running"
         v = c.demand("a", drain_s=0.0)
         assert v["state"] == "terminal" and v["status"] == "demanded" and v["prefix"] == 0, v
         assert get_and_check(c, l3_filled, "a", kv) == 0
