@@ -23,7 +23,9 @@ point ``kvsidecar = kvsidecar.connector.sglang_plugin:load`` (installed with kvs
    the settler once the request can prefill this
    iteration (after the drain, before SGLang's checks)
    ``check_prefetch_progress`` done, or the request's       ``abort`` (clean-up: drops what
-   prefetch finished by ``check_hicache_events``'s drain    the session still holds)
+   prefetch finished by ``check_hicache_events``'s drain    the session still holds; sent by
+                                                            the backend's abort thread, not
+                                                            waited for)
    ``release_aborted_request`` (incl. terminate)            ``abort``
    ``revoke_pending_prefetch``                              ``abort``
    backup thread ``batch_set_v1``                           group ``store`` + ``commit``

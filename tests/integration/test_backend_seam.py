@@ -300,3 +300,45 @@ def test_backend_without_a_sidecar_is_a_prompt_miss(instance):
     assert st["degraded_calls"] >= 3 and st["conn_unavailable_not_running"] == 1, st  # one attach per hold-off
     assert b.conns.policy.last_cause is Cause.NOT_RUNNING
     b.close()
+
+
+def test_end_hands_its_abort_to_a_thread_and_the_sidecar_still_gets_it(sidecar_factory, instance, tmp_path,
+                                                                        read_gate):
+    """``end`` (SGLang's scheduler thread) does not wait for the sidecar: with the sidecar frozen
+    (SIGSTOP) it returns with its abort still pending, and a second request's abort queues behind
+    it; once the sidecar runs again both arrive, in order: both sessions end ``aborted`` with
+    nothing held, and the books are clean."""
+    import os
+    import signal
+
+    pool = HostPool(seed=3)
+    sc = sidecar_factory(**overrides(pool, tmp_path, **read_gate.overrides()))
+    b = backend(instance, pool, timeout_s=60.0, sessions={"policy": "wait_complete"})
+    ks = keys("ab")
+    assert b.batch_set_v1(ks, indices(range(CHAIN))) == [True] * CHAIN
+    with b.connection() as c:
+        wait_l3_idle(c)
+        c.flush()  # the chain is in L3 only: a session's reads wait at the closed gate
+    for rid in ("a1", "a2"):
+        with b.bind(rid):
+            assert b.batch_exists(ks) == CHAIN  # the session runs, its reads held
+    os.kill(sc.pid, signal.SIGSTOP)
+    try:
+        b.end("a1")
+        b.end("a2")
+        st = b.get_stats()  # returned while the sidecar could not answer: both still to send
+        assert st["aborts"] == 2 and st["aborts_pending"] == 2 and st["aborts_inline"] == 0, st
+    finally:
+        os.kill(sc.pid, signal.SIGCONT)
+    assert b.flush_aborts(30.0)
+    read_gate.open()
+    with b.connection() as c:
+        s = wait_until(lambda: (lambda s: s if s["sessions"]["by_state"].get("terminal", 0) == 2
+                                and s["leases"]["live"] == 0 and s["pool"]["staging"] == 0
+                                and s["sessions"]["orphans"] == 0 else None)(c.stats(check=True)),
+                       30, "the aborted sessions still hold something")
+    assert s["sessions"].get("terminal_aborted") == 2, s["sessions"]
+    assert s["invariants"] == "" and s["pool"]["pinned"] == 0
+    st = b.get_stats()
+    assert st["aborts_pending"] == 0 and st["aborts_failed"] == 0 and st["degraded_calls"] == 0, st
+    b.close()
