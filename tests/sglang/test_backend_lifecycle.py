@@ -144,6 +144,7 @@ def test_threads_started_and_ended_1000_times(sidecar_factory, instance, tmp_pat
             slot_samples.append(my_slots(instance))
     elapsed = time.monotonic() - t0
     slot_samples.append(my_slots(instance))
+    assert b.flush_aborts(30.0)  # end's aborts go out on the backend's abort thread
     st = b.get_stats()
     assert not wrong, wrong[:10]
     assert st["degraded_calls"] == 0, st
