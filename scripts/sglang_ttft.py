@@ -308,9 +308,8 @@ class Bench:
         flush_cache(port)
         flush_pool()
         # the kernel writes dirty file pages back ~30 s after they were written: the seeding's and
-        # an earlier arm's tier files (L3, SGLang's file backend) would be flushed during whichever
-        # stream runs then (measured: 0.8 s of kworker CPU in a 4.6 s no_prefetch stream right
-        # after a kvsidecar arm, on 2 cores both ranks need); the stream's own writes stay in it
+        # an earlier arm's tier files (L3, SGLang's file backend) would otherwise be flushed during
+        # whichever stream runs then, on the 2 cores both ranks need; the stream's own writes stay
         os.sync()
         replies = run_stream(port, wl, tag)
         res = {"ttft_s": [r.ttft_s for r in replies], "storage": [r.storage_tokens for r in replies],
