@@ -3,8 +3,10 @@ them in submission order.
 
 Contract:
 
-* :meth:`BackgroundCalls.submit` never blocks and never drops a call: it returns False when the
-  hand-off is full (``limit`` calls waiting) or closed, and the caller then runs the call itself.
+* :meth:`BackgroundCalls.submit` never blocks: it returns False when the hand-off is full
+  (``limit`` calls waiting) or closed, and the caller decides -- run the call itself (the SGLang
+  backend's aborts) or drop it, counted (the ETA sender's batches, stale by the next one).  A call
+  it accepted runs, unless :meth:`close`'s deadline passes first (below).
 * Calls run one at a time, in the order they were submitted; a call that raises is counted
   (``failed``) and logged, and the next one runs.
 * :meth:`flush` waits, at most ``timeout_s``, until every call submitted before it has run.

@@ -29,7 +29,7 @@ Invariants:
   differs slightly between ranks; therefore **one rank sends** (the TP group's rank 0): the
   session is the group's, so a single ETA stream is identical for every rank by construction.
 * An update is sent only when the ETA moved materially (by more than ``rel`` of the last sent
-  *and* more than ``abs_s``; the last sent ETA counts down as time passes); one batch per scheduler iteration, handed to a sender thread (the scheduler loop
+  *and* more than ``abs_s``; the last sent ETA counts down as time passes); one batch per scheduler iteration, handed to a sender thread (:class:`~kvsidecar.connector.background_calls.BackgroundCalls`; the scheduler loop
   never waits on the sidecar: a full hand-off queue drops the batch and counts it).
 """
 
@@ -38,10 +38,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from typing import Callable, Iterable, Sequence
+
+from .background_calls import BackgroundCalls
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +233,7 @@ class SchedulerEta:
         self.planner = EtaPlanner()
         self.clock = clock
         self._send, self._tracked = send, tracked
-        self._q: queue.Queue = queue.Queue(maxsize=queue_batches)
-        self._thread: threading.Thread | None = None
+        self._sender = BackgroundCalls("kvsidecar-eta", limit=queue_batches)  # one batch per iteration
         self._closed = False
         self.counters = collections.Counter()
         # (iteration, tuple of (rid, tokens_ahead)) of the last ``history`` iterations (tests)
@@ -306,42 +306,31 @@ class SchedulerEta:
 
     # -- sender thread ---------------------------------------------------------------------------
     def _hand_off(self, updates: list[EtaUpdate]) -> None:
+        """Never waits: a full hand-off (the sender stuck on the sidecar) drops the batch, counted;
+        the next material change sends fresher ETAs anyway."""
         if self._closed:
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvsidecar-eta", daemon=True)
-            self._thread.start()
-        try:
-            self._q.put_nowait(updates)
+        if self._sender.submit(lambda: self._send_batch(updates)):
             self.counters["batches"] += 1
             self.counters["planned"] += len(updates)
-        except queue.Full:
+        else:
             self.counters["batches_dropped"] += 1
 
-    def _run(self) -> None:
-        while True:
-            batch = self._q.get()
-            if batch is None:
-                return
-            try:
-                states = list(self._send(batch))
-            except Exception:  # a failed batch only leaves the sidecar's older ETAs in place
-                self.counters["send_failed"] += len(batch)
-                log.debug("kvsidecar ETA updates (%d) failed", len(batch), exc_info=True)
-                continue
-            self.counters["round_trips"] += 1
-            for u, state in zip(batch, states + [None] * (len(batch) - len(states))):
-                self.sent_log.append((u.rid, round(u.eta_s, 6), state))
-                self.counters["sent"] += 1
-                if isinstance(state, str):  # the session's state as the sidecar answered
-                    self.counters[f"sent_{state}"] += 1
+    def _send_batch(self, batch: list[EtaUpdate]) -> None:
+        """On the sender thread: one round trip for an iteration's updates."""
+        try:
+            states = list(self._send(batch))
+        except Exception:  # a failed batch only leaves the sidecar's older ETAs in place
+            self.counters["send_failed"] += len(batch)
+            log.debug("kvsidecar ETA updates (%d) failed", len(batch), exc_info=True)
+            return
+        self.counters["round_trips"] += 1
+        for u, state in zip(batch, states + [None] * (len(batch) - len(states))):
+            self.sent_log.append((u.rid, round(u.eta_s, 6), state))
+            self.counters["sent"] += 1
+            if isinstance(state, str):  # the session's state as the sidecar answered
+                self.counters[f"sent_{state}"] += 1
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._closed = True
-        t = self._thread
-        if t is not None:
-            try:
-                self._q.put(None, timeout=timeout_s)
-            except queue.Full:
-                return
-            t.join(timeout_s)
+        self._sender.close(timeout_s)
