@@ -28,13 +28,20 @@ PAGE = 16
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A Llama whose prefill costs tens of ms per 1K tokens on this CPU (random weights)."""
+    """A Llama whose prefill costs tens of ms per 1K tokens on this CPU (random weights).
+
+    Sized by measurement (cold prompts of 16 / 512 / 1,024 / 2,048 tokens, 5 each, a server
+    without storage, ``OMP_WAIT_POLICY=PASSIVE``): TTFT medians 31 / 46 / 70 / 100 ms, a marginal
+    prefill cost of ~34 ms per 1K tokens over a fixed ~30 ms (forward pass plus one decode step).
+    The earlier 64-wide model cost ~6.5 ms per 1K tokens over the same fixed cost, below the 20-60
+    ms the benchmark asks for: there a restore could save less than any storage round costs.
+    """
 
     hidden: int = 256
-    layers: int = 4
+    layers: int = 2
     heads: int = 4
     kv_heads: int = 2
-    intermediate: int = 512
+    intermediate: int = 2048
     vocab: int = 512
 
     def config(self) -> dict:
