@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 STANDINS = ROOT / "tests" / "sglang" / "server_standins"
 TP = 2
@@ -163,12 +165,34 @@ class Server:
         self._log.close()
 
 
+class PortTaken(RuntimeError):
+    """The HTTP port picked for the server was taken before it bound it (SGLang then does not
+    exit: it waits in its shutdown with its ranks up)."""
+
+
 def start_server(model_dir: Path, work: Path, *, storage: str, kvsidecar_cfg: Path | None = None,
                  file_dir: Path | None = None, plugin: bool = True, max_total_tokens: int = 32768,
-                 seed: int = 0, start_timeout_s: float = 300) -> Server:
+                 seed: int = 0, start_timeout_s: float = 300, attempts: int = 3) -> Server:
     """``sglang.launch_server --device cpu`` TP=2 with HiCache; ``storage``: ``none`` (HiCache
     without storage), ``kvsidecar`` (dynamic backend; with ``plugin`` the kvsidecar radix cache)
-    or ``file`` (SGLang's own file backend in ``file_dir``, its own prefetch policy)."""
+    or ``file`` (SGLang's own file backend in ``file_dir``, its own prefetch policy).  A port
+    taken between picking it and SGLang's bind (one of SGLang's own internal ports, or another
+    process) is retried on a fresh port, at most ``attempts`` times."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_server_once(model_dir, work, storage=storage, kvsidecar_cfg=kvsidecar_cfg,
+                                      file_dir=file_dir, plugin=plugin, max_total_tokens=max_total_tokens,
+                                      seed=seed, start_timeout_s=start_timeout_s)
+        except PortTaken as exc:
+            if attempt == attempts:
+                raise
+            log.warning("%s; starting again on another port (attempt %d of %d)", exc, attempt + 1, attempts)
+    raise AssertionError("unreachable")
+
+
+def _start_server_once(model_dir: Path, work: Path, *, storage: str, kvsidecar_cfg: Path | None,
+                       file_dir: Path | None, plugin: bool, max_total_tokens: int, seed: int,
+                       start_timeout_s: float) -> Server:
     from kvsidecar.sidecar.l3.master import free_port
 
     port = free_port()
@@ -213,6 +237,8 @@ def start_server(model_dir: Path, work: Path, *, storage: str, kvsidecar_cfg: Pa
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"SGLang server exited: {log_path.read_text()[-3000:]}")
+            if _bind_failed(log_path, port):
+                raise PortTaken(f"SGLang could not bind its HTTP port {port}")
             try:
                 http(port, "/health", method="GET", timeout=2)
                 break
@@ -225,6 +251,15 @@ def start_server(model_dir: Path, work: Path, *, storage: str, kvsidecar_cfg: Pa
         raise
     srv.startup_s = time.monotonic() - t0
     return srv
+
+
+def _bind_failed(log_path: Path, port: int) -> bool:
+    """Whether the server's log says uvicorn could not bind ``port`` (errno 98)."""
+    try:
+        text = log_path.read_bytes()[-20000:].decode(errors="replace")
+    except OSError:
+        return False
+    return "address already in use" in text and f"'127.0.0.1', {port})" in text
 
 
 def mapped_shm() -> set:

@@ -98,3 +98,18 @@ def test_pool_hit_verdict_pools_every_kvsidecar_arm_against_file_and_recompute()
     assert v["verdict"] == {"beats_sglang_file_hit": True, "beats_recompute": True}
     trials[0]["timeout@2"] = probe([400.0, 500.0, 600.0])
     assert pool_hit_verdict(trials)["verdict"]["beats_sglang_file_hit"] is False
+
+
+def test_a_server_that_could_not_bind_its_port_is_recognised(tmp_path):
+    """SGLang does not exit when uvicorn cannot bind: the harness reads it from the log."""
+    from scripts.sglang_server import _bind_failed
+
+    log = tmp_path / "server.log"
+    log.write_text("[2026-12-05 12:41:15] INFO:     Application startup complete.\n"
+                   "[2026-12-05 12:41:15] ERROR:    [Errno 98] error while attempting to bind on address "
+                   "('127.0.0.1', 36555): address already in use\n")
+    assert _bind_failed(log, 36555)
+    assert not _bind_failed(log, 36556)  # another port's failure is not this server's
+    assert not _bind_failed(tmp_path / "missing.log", 36555)
+    log.write_text("[2026-12-05 12:41:15] INFO:     Application startup complete.\n")
+    assert not _bind_failed(log, 36555)
