@@ -141,7 +141,9 @@ class KvSidecarHiCacheStorage(_Base):
                          "set_pages_failed": 0, "degraded_calls": 0, "sessions_started": 0, "sessions_joined": 0,
                          "demands": 0, "demands_left_to_eta": 0, "settle_demands": 0, "settle_demands_ending": 0, "aborts": 0,
                          "aborts_inline": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
-                         "copies_refused": 0}
+                         "copies_refused": 0, "entry_sessions": 0, "entry_nothing_to_restore": 0,
+                         "entry_asked": 0, "entry_skipped": 0, "entry_kept_by_group": 0, "entry_errors": 0,
+                         "entry_ended_unsubmitted": 0}
 
     # -- set-up -------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -340,6 +342,44 @@ class KvSidecarHiCacheStorage(_Base):
             if not self._aborts.submit(send):  # hand-off full or closed: on this thread
                 self._count("aborts_inline")
                 send()
+
+    def start_at_entry(self, rid: str, attempt: int, keys, eta_s: float | None = None,
+                       prefill_s_per_block: float | None = None) -> bool:
+        """``cost_aware`` at the request's queue entry (SGLang's scheduler thread): start its
+        session now, over ``keys`` -- the chain SGLang's prefetch thread will query, whose
+        ``batch_exists`` then joins this session -- and say whether a storage operation for the
+        request can restore anything.
+
+        False only when the sidecar ended the session as it started with nothing to restore: no
+        resident prefix, and not even the best case of an L3 read lowers TTFT
+        (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`); the session is then ended here.
+        True otherwise, and whenever the sidecar cannot answer (SGLang then runs its storage
+        operation as it would without this).  The answer is this rank's: the plugin agrees on it
+        across the TP group before acting on it (SGLang's storage drains are collective)."""
+        if not keys or not self.config.sessions.enabled or not self.use_l3:
+            return True
+        s = self.config.sessions
+        chain = self._chain(keys)
+        ref = SessionRef(str(rid), int(attempt or 0), chain, {k: i for i, k in enumerate(keys)})
+        if not self.sessions.open(ref):
+            return True  # ended already: SGLang's own checks decide (its query then starts nothing)
+
+        def run(c):
+            return c.prefetch(chain, ref.rid, attempt=ref.attempt, policy=s.policy, budget_s=s.budget_s,
+                              chunk_max_blocks=s.chunk_max_blocks or None,
+                              tokens=len(keys) * self.layout.tokens_per_block, eta_s=eta_s,
+                              prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
+
+        view = self._call(run, None)
+        if view is None:
+            self.sessions.discard(ref)
+            return True
+        self._count("sessions_joined" if view.get("existed") else "sessions_started")
+        self._count("entry_sessions")
+        if view.get("state") == "terminal" and not view.get("prefix"):
+            self._count("entry_nothing_to_restore")
+            return False
+        return True
 
     def flush_aborts(self, timeout_s: float) -> bool:
         """Wait (bounded) until every abort :meth:`end` handed off has reached the sidecar."""

@@ -52,15 +52,17 @@ class SessionRegistry:
         self.max_ended = max_ended
 
     def open(self, ref: SessionRef) -> bool:
-        """Register ``ref`` (replacing an older session of the same request); False, and nothing
-        registered, when the request already ended.  An early demand sets ``ref.demanded``."""
+        """Register ``ref`` (replacing an older session of the same request: the one its queue
+        entry opened, which its query then re-opens); False, and nothing registered, when the
+        request already ended.  An early demand, or one the replaced session had, sets
+        ``ref.demanded``."""
         key = (ref.rid, ref.attempt)
         with self._lock:
             early = self._early.pop(key, None)
             if early == ABORT:
                 return False
-            ref.demanded = ref.demanded or early == DEMAND
             old = self._sessions.pop(key, None)
+            ref.demanded = ref.demanded or early == DEMAND or (old is not None and old.demanded)
             if old is not None:
                 self._unindex(old)
             self._sessions[key] = ref

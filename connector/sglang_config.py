@@ -41,6 +41,11 @@ class SessionConfig:
     # the scheduler waits at most this per iteration for storage queries just sent and for the copy
     # of hits resident in the pool, so they are admitted in that iteration (0: off; sglang_settle)
     settle_wait_s: float = 0.02
+    # cost_aware: start the session at queue entry and, when the sidecar says nothing can be
+    # restored (no pool hit, no L3 read that pays), run no SGLang storage operation for the
+    # request -- its query, collective drains and admission gate cost a prefill-bound request
+    # more than they save (sglang_plugin.EntryGate); the TP group agrees first
+    decide_at_entry: bool = True
 
     def __post_init__(self):
         if self.policy not in POLICIES:

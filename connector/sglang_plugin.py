@@ -13,9 +13,13 @@ point ``kvsidecar = kvsidecar.connector.sglang_plugin:load`` (installed with kvs
    ======================================================  ==================================
    SGLang event                                             kvsidecar op
    ======================================================  ==================================
-   queue entry -> prefetch thread ``batch_exists``          ``prefetch`` (rid, full chain,
-   (whole tail chain)                                       policy / chunk / budget) + ``wait``
-                                                            for the L3 query (metadata only)
+   queue entry (``prefetch_from_storage``); cost_aware:     ``prefetch`` with the first ETA;
+   the TP group agrees (MAX) whether to run SGLang's        nothing to restore: no SGLang
+   storage operation (:mod:`.sglang_entry`)                 operation (session ended, ``cost``)
+   prefetch thread ``batch_exists`` (whole tail chain)      ``prefetch`` (rid, full chain,
+                                                            policy / chunk / budget; joins the
+                                                            entry's session) + ``wait`` for the
+                                                            L3 query (metadata only)
    I/O thread ``batch_get_v1`` (per 128-page batch)         ``wait`` (published >= batch end
                                                             or stopped) + group ``get`` (hands
                                                             the prefetch lease over) + copy
@@ -73,6 +77,7 @@ import sys
 import time
 
 from .hicache_backend import KvSidecarHiCacheStorage
+from .sglang_entry import EntryGate, gate_applies
 from .sglang_eta import SchedulerEta, chunked_remaining, prefill_budget, queued_of
 from .sglang_settle import HitSettler
 
@@ -164,6 +169,8 @@ def radix_cache_class():
 
     class KvSidecarRadixCache(UnifiedRadixCache):
         _kvs: KvSidecarHiCacheStorage | None = None
+        _kvs_eta = None
+        _kvs_entry = None
 
         def init_hicache(self, server_args, params) -> None:
             super().init_hicache(server_args, params)
@@ -172,6 +179,7 @@ def radix_cache_class():
             self._kvs_eta = eta_for(self._kvs)
             self._kvs_scheduler = None  # SGLang's Scheduler, bound by the BEFORE hook on get_new_batch_prefill
             self._kvs_settle = settler_for(self, self._kvs)
+            self._kvs_entry = entry_gate_for(self, self._kvs)
 
         def check_hicache_events(self) -> None:
             """SGLang's per-iteration drain of the storage queues, then (:mod:`.sglang_settle`) the
@@ -191,11 +199,28 @@ def radix_cache_class():
                     if kvs.trace is not None:
                         kvs.trace(request.rid, "end", t0, time.perf_counter())
 
-        def prefetch_from_storage(self, request, *args, **kwargs):
+        def prefetch_from_storage(self, request, last_host_node_id, new_input_tokens, last_hash=None,
+                                  *args, **kwargs):
             eta = self._kvs_eta
+            eta_s = per_block = None
             if eta is not None:  # the scheduler thread, just before the request joins waiting_queue
-                eta.at_queue_entry(eta.scheduler, request.rid, request.attempt_id)
-            return super().prefetch_from_storage(request, *args, **kwargs)
+                eta_s, per_block = eta.at_queue_entry(eta.scheduler, request.rid, request.attempt_id)
+            gate = self._kvs_entry
+            gated = gate is not None and self.enable_storage and gate_applies(
+                len(new_input_tokens), self.page_size, self.prefetch_threshold, kwargs.get("storage_hit_end"))
+            if gated:
+                t0 = time.perf_counter()
+                run = gate.decide(self, request, new_input_tokens, last_hash, kwargs.get("extra_key"),
+                                  kwargs.get("cache_salt"), eta_s, per_block)
+                if self._kvs.trace is not None:
+                    self._kvs.trace(request.rid, "entry_gate", t0, time.perf_counter())
+                if not run:
+                    return None  # no storage operation: the request queues as without storage
+            out = super().prefetch_from_storage(request, last_host_node_id, new_input_tokens, last_hash,
+                                                *args, **kwargs)
+            if gated:
+                gate.after_prefetch(self, request)
+            return out
 
         def check_prefetch_progress(self, request) -> bool:
             kvs = self._kvs
@@ -233,6 +258,24 @@ def radix_cache_class():
                 self._kvs.end(request.rid, request.attempt_id)
 
     return KvSidecarRadixCache
+
+
+def entry_gate_for(cache, backend: KvSidecarHiCacheStorage | None) -> EntryGate | None:
+    """The cache's :class:`EntryGate`, or None: not ``cost_aware`` (only its sessions decide at
+    start), off in the config, no sessions or no L3, or a set-up whose storage operations are not
+    the plain TP-synchronised ones (pipeline parallel, buffer-only host memory, a cache linker)."""
+    if backend is None:
+        return None
+    s = backend.config.sessions
+    if s.policy != "cost_aware" or not s.decide_at_entry or not s.enabled or not backend.use_l3:
+        return None
+    if (getattr(cache, "pp_size", 1) > 1 or getattr(cache, "buffer_pipeline", None) is not None
+            or getattr(cache, "linker", None) is not None):
+        log.info("kvsidecar plugin: entry decisions off (pipeline parallel, buffer-only host memory or a cache linker)")
+        return None
+    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
+
+    return EntryGate(backend, STORAGE_BATCH_SIZE)
 
 
 def settler_for(cache, backend: KvSidecarHiCacheStorage | None) -> HitSettler | None:

@@ -155,6 +155,17 @@ def test_registry_orders_demand_end_and_query_races():
     assert s["early"] <= 4 and s["ended"] <= 2, s
 
 
+def test_registry_reopen_keeps_the_demand_of_the_session_it_replaces():
+    """The query re-opens the session the queue entry opened (cost_aware's entry decision): a
+    demand the entry's session already sent is not sent again."""
+    reg = SessionRegistry()
+    ks = keys("d")
+    assert reg.open(ref("r", ks)) and reg.demand("r") is True
+    query = ref("r", ks)
+    assert reg.open(query) and query.demanded and reg.demand("r") is False
+    assert reg.get("r") is query and reg.for_keys(ks[:2]) is query and len(reg) == 1
+
+
 def test_registry_from_many_threads():
     """Query, demand and end of 400 requests race from three threads: every request ends with no
     open session, and every open session was demanded exactly once."""
@@ -341,4 +352,56 @@ def test_end_hands_its_abort_to_a_thread_and_the_sidecar_still_gets_it(sidecar_f
     assert s["invariants"] == "" and s["pool"]["pinned"] == 0
     st = b.get_stats()
     assert st["aborts_pending"] == 0 and st["aborts_failed"] == 0 and st["degraded_calls"] == 0, st
+    b.close()
+
+
+def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factory, instance, tmp_path):
+    """``start_at_entry`` (SGLang's queue entry, cost_aware): over an L3 measured dearer per
+    block than prefill, a chain nothing of which is resident has nothing to restore: the session
+    ends as it starts (``cost``, prefix 0) and the answer is False, with nothing registered or
+    held.  A chain resident in the pool is a hit: True, and the query SGLang's prefetch thread
+    sends later joins the same session and answers the resident prefix.  Without a sidecar:
+    True (SGLang runs its operation as it would without this)."""
+    pool = HostPool(seed=5)
+    # 0.2 Mbit/s: a 512-byte block takes ~20 ms to read, against 0.1 ms to recompute it
+    sidecar_factory(**overrides(pool, tmp_path, **{"l3.bandwidth_mbps": 0.2, "l3.latency_ms": 2.0}))
+    b = backend(instance, pool, sessions={"policy": "cost_aware", "query_wait_s": 5.0})
+    cold, hot = keys("cold"), keys("hot")
+    assert b.batch_set_v1(cold, indices(range(CHAIN))) == [True] * CHAIN
+    with b.connection() as c:
+        wait_l3_idle(c)
+        c.flush()  # the cold chain is in L3 only
+        wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda n: n >= 2)
+    assert b.batch_set_v1(hot, indices(range(CHAIN, 2 * CHAIN))) == [True] * CHAIN  # resident
+    assert b.start_at_entry("r-cold", 0, cold, eta_s=0.0, prefill_s_per_block=1e-4) is False
+    st = b.get_stats()
+    assert st["entry_sessions"] == 1 and st["entry_nothing_to_restore"] == 1, st
+    assert b.session("r-cold") is not None  # registered until the plugin ends it (the group agreed)
+    b.end("r-cold")
+    assert b.session("r-cold") is None
+    assert b.start_at_entry("r-hot", 0, hot, eta_s=0.0, prefill_s_per_block=1e-4) is True
+    with b.bind("r-hot"):
+        assert b.batch_exists(hot) == CHAIN  # the prefetch thread's query joins the entry's session
+    st = b.get_stats()
+    assert st["sessions_started"] == 2 and st["sessions_joined"] == 1 and st["entry_nothing_to_restore"] == 1, st
+    got = b.batch_get_v1(hot, indices(range(2 * CHAIN, 3 * CHAIN)))
+    assert got == [True] * CHAIN
+    assert pool.page_bytes(range(2 * CHAIN, 3 * CHAIN)) == pool.page_bytes(range(CHAIN, 2 * CHAIN))
+    b.end("r-hot")
+    assert b.flush_aborts(10.0)
+    with b.connection() as c:
+        v = c.poll("r-cold")
+        assert v["state"] == "terminal" and v["status"] == "cost" and v["prefix"] == 0, v
+        assert c.poll("r-hot")["prefix"] == CHAIN
+        s = wait_until(lambda: c.stats(check=True), 10.0, "leases or pins left",
+                       until=lambda s: s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0)
+        assert s["invariants"] == "" and s["l3"]["read"]["jobs"] == 0, s  # nothing was read for r-cold
+    assert b.sessions.sizes()["open"] == 0
+    b.close()
+
+
+def test_entry_decision_without_a_sidecar_runs_sglangs_operation(instance):
+    b = backend(instance, HostPool(), sessions={"policy": "cost_aware"}, timeout_s=0.2)
+    assert b.start_at_entry("r", 0, keys("x"), eta_s=0.0, prefill_s_per_block=1e-4) is True
+    assert b.sessions.sizes()["open"] == 0 and b.get_stats()["degraded_calls"] >= 1
     b.close()

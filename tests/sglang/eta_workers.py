@@ -90,7 +90,9 @@ def _rank_main(rank: int, instance: str, port: int) -> dict:
             plans.append(plan.batch_to_run)
 
         iteration()  # the rate's baseline
-        sched.total_prefill_busy_us, sched.total_prefill_uncached_tokens = busy, 1024
+        sched.total_prefill_busy_us, sched.total_prefill_uncached_tokens = 3_000_000, 68
+        iteration()  # SGLang's server warm-up (compilation): not counted
+        sched.total_prefill_busy_us, sched.total_prefill_uncached_tokens = 3_000_000 + busy, 68 + 1024
         iteration()  # learns the rate from SGLang's counters
         reqs = []
         for i, tokens in enumerate(prompts):

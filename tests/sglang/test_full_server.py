@@ -61,7 +61,8 @@ def sidecar_overrides(tmp_path, **extra) -> dict:
     return d
 
 
-def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeline: bool = False):
+def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeline: bool = False,
+                 policy: str = "timeout"):
     """The sidecar and ``sglang.launch_server --device cpu`` (TP=2, HiCache, kvsidecar storage,
     SGLang's ``wait_complete``); with ``plugin`` the kvsidecar radix cache (``--radix-cache-backend
     kvsidecar``); without it SGLang does not load the plugin (``SGLANG_PLUGINS``) and kvsidecar runs
@@ -72,7 +73,7 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeli
     plugin_cfg = tmp_path / "kvsidecar-sglang.toml"
     plugin_cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.2\n'
                           f'verify_loads = "all"\ntimeline = {"true" if timeline else "false"}\n'
-                          f'[sessions]\nenabled = {"true" if plugin else "false"}\npolicy = "timeout"\n'
+                          f'[sessions]\nenabled = {"true" if plugin else "false"}\npolicy = "{policy}"\n'
                           'chunk_max_blocks = 2\nget_wait_s = 20.0\n')
     env = dict(os.environ, PYTHONPATH=f"{HERE / 'server_standins'}:{ROOT}", SGLANG_USE_CPU_ENGINE="1",
                SGLANG_CPU_OMP_THREADS_BIND="0|1", MC_TCP_BIND_ADDRESS="127.0.0.1",
@@ -144,8 +145,8 @@ def stop_server(proc, log, sc, instance, since: float) -> None:
 def server_factory(instance, tmp_path):
     started = []
 
-    def start(sidecar_over: dict, plugin: bool, timeline: bool = False):
-        s = start_server(instance, tmp_path, sidecar_over, plugin=plugin, timeline=timeline)
+    def start(sidecar_over: dict, plugin: bool, timeline: bool = False, policy: str = "timeout"):
+        s = start_server(instance, tmp_path, sidecar_over, plugin=plugin, timeline=timeline, policy=policy)
         started.append(s)
         return s
 
@@ -348,3 +349,50 @@ def test_full_server_pool_hit_is_admitted_in_the_iteration_of_its_query(server_f
             assert not p.get("check_progress"), (rank, rid, p.get("check_progress"))  # ready before its first check
             assert len(p.get("end", ())) >= 1, (rank, rid, sorted(p))
         assert phases.get("cold-1", {}).get("end"), (rank, sorted(phases.get("cold-1", {})))
+
+
+def test_full_server_cost_aware_runs_no_storage_operation_that_cannot_pay(server_factory, instance, tmp_path):
+    """cost_aware decides at queue entry (``connector/sglang_entry.py``).  Over an L3 measured far
+    dearer per block than this model's prefill (2 Mbit/s: 16 ms a block, against well under 1 ms
+    to recompute it), a prompt only in L3 gets no SGLang storage operation on either rank: its
+    timeline has the entry decision and no storage query, no storage tokens, the cold run's
+    output, and its session ended as it started (``cost``, prefix 0).  A prompt resident in the
+    pool still goes through SGLang's storage on both ranks and is restored."""
+    import random
+
+    from scripts.sglang_timeline import parse_log
+
+    over = sidecar_overrides(tmp_path, **{"l3.bandwidth_mbps": 2.0})
+    srv = server_factory(over, plugin=True, timeline=True, policy="cost_aware")
+    port = srv.port
+    rng = random.Random(11)
+    in_l3, in_pool = ([rng.randrange(3, 500) for _ in range(640)] for _ in range(2))
+    warm = [rng.randrange(3, 500) for _ in range(64)]
+    generate(port, warm)  # (the ETA hook's prefill rate needs a few prefills)
+    base = wait_published(instance, len(warm) // PAGE, 120, "the warm prompt's write-through")
+    cold_l3, _ = generate(port, in_l3, rid="cold-l3")
+    base = wait_published(instance, base + len(in_l3) // PAGE, 60, "the first prompt's write-through")
+    c = probe(instance, over)
+    try:
+        wait_until(lambda: c.stats()["l3"].get("puts_in_flight", 0), 60, "the write-behind", until=lambda n: n == 0)
+        c.flush()  # the first prompt is in L3 only
+        cold_pool, _ = generate(port, in_pool, rid="cold-pool")
+        wait_published(instance, len(in_pool) // PAGE, 60, "the second prompt's write-through")
+        flush(port)
+        out, meta = generate(port, in_l3, rid="again-l3")
+        assert out == cold_l3 and storage_tokens(meta) == 0, meta
+        v = c.poll("again-l3")
+        assert v["state"] == "terminal" and v["status"] == "cost" and v["prefix"] == 0, v
+        out, meta = generate(port, in_pool, rid="again-pool")
+        assert out == cold_pool and storage_tokens(meta) >= (len(in_pool) // PAGE - 1) * PAGE, meta
+        wait_until(lambda: (lambda s: s if s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0 else None)(c.stats()),
+                   30, "leases or pins left")
+        assert c.stats(check=True)["invariants"] == ""
+    finally:
+        c.close()
+    text = srv.log_path.read_text(errors="replace").splitlines()
+    for rank in range(TP):
+        phases = parse_log(text, rank)
+        skipped, hit = phases.get("again-l3", {}), phases.get("again-pool", {})
+        assert skipped.get("entry_gate") and not skipped.get("storage_hit_query"), (rank, sorted(skipped))
+        assert hit.get("entry_gate") and hit.get("storage_hit_query") and hit.get("page_transfer"), (rank, sorted(hit))

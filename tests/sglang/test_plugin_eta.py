@@ -33,7 +33,7 @@ def test_eta_hook_tp2(sidecar_factory, instance, tmp_path):
     r0, r1 = out
     for r in out:
         assert r["eta_hook_applied"] and all(r["hooks"].values()), r
-        assert r["plans"] == [None] * 6  # SGLang's own method ran after the hook, every call
+        assert r["plans"] == [None] * 7  # SGLang's own method ran after the hook, every call
         # one cost_aware session per request (how much it restores is the sidecar's decision)
         assert all(v["policy"] == "cost_aware" for v in r["views"]), r["views"]
         assert all(0 <= h <= E.PAGES for h in r["hits"]), r["hits"]

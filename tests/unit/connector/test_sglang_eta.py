@@ -33,7 +33,8 @@ def test_a_request_sharing_a_prefix_with_one_ahead_counts_only_the_rest():
     sysp = list(range(1000, 1064))  # 4 pages of 16
     sched = _scheduler([("a", 0, 0, sysp + [1] * 16), ("b", 0, 0, sysp + [2] * 16), ("c", 0, 16, sysp[:16] + [3] * 48),
                         ("d", 0, 0, [4] * 80)], chunked=("x", 0, 0, sysp[:32] + [5] * 8))
-    eta = SchedulerEta(16, sender=False, send=lambda b: [], tracked=lambda r, a: True, history=4)
+    eta = SchedulerEta(16, sender=False, send=lambda b: [], tracked=lambda r, a: True, history=4,
+                       skip_warm_up=False)
     eta.on_iteration(sched)
     # chunked x: 40 tokens, none computed; a shares 32 with x, b shares 64 with a, c shares 16
     # (which its own device match already covers), d shares nothing
@@ -44,8 +45,19 @@ def test_a_request_sharing_a_prefix_with_one_ahead_counts_only_the_rest():
     assert eta.at_queue_entry(sched, "e", 0)[0] == pytest.approx((40 + 48 + 16 + 48 + 80) * 1e-3)
 
 
+def test_prefill_rate_skips_the_warm_up_increment():
+    """SGLang's warm-up (two batches of 3 and 1 tokens, seconds of compilation) merges with the
+    first real prompt's batch into the first complete increment: not counted."""
+    r = PrefillRate(window=16, min_tokens=64)
+    assert r.observe(0, 0) is None  # the first look: before the warm-up
+    assert r.observe(2_000_000, 3) is None and r.observe(3_000_000, 4) is None  # warm-up: too few tokens
+    assert r.observe(3_010_000, 68) is None  # warm-up + a 64-token prompt: dropped
+    assert r.observe(3_050_000, 708) == pytest.approx(40e-3 / 640)
+    assert r.observe(3_090_000, 1348) == pytest.approx(80e-3 / 1280)
+
+
 def test_prefill_rate_is_sglangs_recent_ratio_and_the_warm_up_ages_out():
-    r = PrefillRate(window=2, min_tokens=64)
+    r = PrefillRate(window=2, min_tokens=64, skip_first=False)
     assert r.observe(5_000_000, 8) is None  # the first look is a baseline (here: SGLang's warm-up)
     assert r.observe(5_000_500, 40) is None and r.per_block(16) is None  # 32 tokens: too few to judge
     assert r.observe(5_040_000, 1064) == pytest.approx(40e-3 / 1056)  # merged with the small one
@@ -107,7 +119,7 @@ def test_a_request_within_the_next_batch_starts_now_and_later_ones_wait_whole_ba
     queue = [("a", 60), ("b", 60), ("c", 60), ("d", 60), ("e", 60)]
     sched = _scheduler(queue, chunked=("x", 30), chunked_prefill_size=100, max_prefill_tokens=1000)
     eta = SchedulerEta(16, sender=True, send=lambda b: sent.extend((u.rid, u.eta_s) for u in b) or [], tracked=lambda r, a: True,
-                       history=2)
+                       history=2, skip_warm_up=False)
     eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)
     eta._hand_off = lambda updates: sent.extend((u.rid, u.eta_s) for u in updates)  # (the plan, not the thread)
     eta.rate.s_per_token = 1e-3
@@ -136,8 +148,10 @@ def test_scheduler_glue_sends_from_rank_0_only_on_its_sender_thread():
     now = [100.0]
     sched = _scheduler([("a", 1024, 0), ("b", 2048, 1024)], busy_us=20_000, tokens=1024, chunked=("c", 512, 256))
     before = _scheduler([], busy_us=0, tokens=0)
-    r0 = SchedulerEta(16, sender=True, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8)
-    r1 = SchedulerEta(16, sender=False, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8)
+    r0 = SchedulerEta(16, sender=True, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8,
+                       skip_warm_up=False)
+    r1 = SchedulerEta(16, sender=False, send=send, tracked=lambda rid, a: True, clock=lambda: now[0], history=8,
+                       skip_warm_up=False)
     for eta in (r0, r1):
         eta.on_iteration(before)  # the rate's baseline
         eta.on_iteration(sched)
@@ -157,7 +171,8 @@ def test_scheduler_glue_sends_from_rank_0_only_on_its_sender_thread():
 
 def test_a_blocked_sender_never_blocks_the_scheduler():
     gate = threading.Event()
-    eta = SchedulerEta(16, sender=True, send=lambda batch: [gate.wait(5.0)] * len(batch), tracked=lambda r, a: True, queue_batches=2)
+    eta = SchedulerEta(16, sender=True, send=lambda batch: [gate.wait(5.0)] * len(batch), tracked=lambda r, a: True, queue_batches=2,
+                       skip_warm_up=False)
     sched = _scheduler([("a", 1024)], busy_us=10_000, tokens=1000, chunked=("c", 512))
     eta.on_iteration(_scheduler([], busy_us=0, tokens=0))
     eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)  # every iteration is material: one batch each
@@ -181,7 +196,7 @@ def test_an_iterations_updates_go_in_one_round_trip_and_a_failed_one_leaves_the_
             if len(calls) == 3:
                 done.set()
 
-    eta = SchedulerEta(16, sender=True, send=send, tracked=lambda r, a: True)
+    eta = SchedulerEta(16, sender=True, send=send, tracked=lambda r, a: True, skip_warm_up=False)
     eta.planner = EtaPlanner(rel=-1.0, abs_s=-1.0)  # every iteration is material: one batch each
     eta.on_iteration(_scheduler([], busy_us=0, tokens=0))
     for ahead in (512, 1024, 2048):  # the chunked prefill ahead grows: both ETAs move every time
