@@ -53,23 +53,24 @@ def gate_applies(n_new_tokens: int, page_size: int, threshold: int, storage_hit_
 class EntryGate:
     """One rank's gate (built by the plugin for ``cost_aware`` with ``sessions.decide_at_entry``)."""
 
-    def __init__(self, backend, batch_pages: int):
+    def __init__(self, backend):
         self.backend = backend
-        self.batch_pages = batch_pages  # SGLang's STORAGE_BATCH_SIZE: its first batch_exists's keys
 
     def _count(self, name: str) -> None:
         self.backend._count(f"entry_{name}")  # in the backend's get_stats
 
     def keys(self, cache, new_input_tokens, last_hash, extra_key, cache_salt) -> list:
-        """The page keys SGLang's prefetch thread will query first (``get_storage_hash_str`` over
-        the page-aligned span, as ``prefetch_from_storage`` builds it; its first batch)."""
+        """The page keys SGLang's prefetch thread will query: ``get_storage_hash_str`` over the
+        page-aligned span, as ``prefetch_from_storage`` builds it; the hybrid controller's
+        ``_storage_hit_query`` sends them all in one ``batch_exists`` (no 128-page batches: a
+        session over the first 128 keys of a longer span was refused by that query as another
+        chain, measured on 2,176-token prompts)."""
         from sglang.srt.mem_cache.radix_cache import RadixKey
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         key = RadixKey(new_input_tokens, extra_key=extra_key, is_bigram=cache.tree_core.is_eagle,
                        cache_salt=cache_salt).page_aligned(cache.page_size)
-        keys = get_storage_hash_str(key, last_hash, page_size=cache.cache_controller.page_size)
-        return list(keys)[: self.batch_pages]
+        return list(get_storage_hash_str(key, last_hash, page_size=cache.cache_controller.page_size))
 
     def local_answer(self, cache, request, new_input_tokens, last_hash, extra_key, cache_salt,
                      eta_s, prefill_s_per_block) -> bool:

@@ -273,9 +273,7 @@ def entry_gate_for(cache, backend: KvSidecarHiCacheStorage | None) -> EntryGate 
             or getattr(cache, "linker", None) is not None):
         log.info("kvsidecar plugin: entry decisions off (pipeline parallel, buffer-only host memory or a cache linker)")
         return None
-    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
-
-    return EntryGate(backend, STORAGE_BATCH_SIZE)
+    return EntryGate(backend)
 
 
 def settler_for(cache, backend: KvSidecarHiCacheStorage | None) -> HitSettler | None:

@@ -59,7 +59,7 @@ class _Handle:
 
 
 def _gate(answer):
-    g = EntryGate(_Backend(answer), batch_pages=128)
+    g = EntryGate(_Backend(answer))
     g.keys = lambda *a: ["k0", "k1"]
     return g
 
