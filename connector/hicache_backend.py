@@ -143,7 +143,7 @@ class KvSidecarHiCacheStorage(_Base):
                          "aborts_inline": 0, "query_wait_timeouts": 0, "get_wait_timeouts": 0,
                          "copies_refused": 0, "entry_sessions": 0, "entry_nothing_to_restore": 0,
                          "entry_asked": 0, "entry_skipped": 0, "entry_kept_by_group": 0, "entry_errors": 0,
-                         "entry_ended_unsubmitted": 0}
+                         "entry_ended_unsubmitted": 0, "queries_answered_at_entry": 0}
 
     # -- set-up -------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -376,9 +376,11 @@ class KvSidecarHiCacheStorage(_Base):
             return True
         self._count("sessions_joined" if view.get("existed") else "sessions_started")
         self._count("entry_sessions")
-        if view.get("state") == "terminal" and not view.get("prefix"):
-            self._count("entry_nothing_to_restore")
-            return False
+        if view.get("state") == "terminal":
+            if not view.get("prefix"):
+                self._count("entry_nothing_to_restore")
+                return False
+            ref.terminal_prefix = int(view["prefix"])  # final: the query answers it as it is
         return True
 
     def flush_aborts(self, timeout_s: float) -> bool:
@@ -398,6 +400,13 @@ class KvSidecarHiCacheStorage(_Base):
         rid, attempt, driven = self._identity(keys)
         s = self.config.sessions
         policy = s.policy if driven else "timeout"
+        known = self.sessions.get(rid, attempt)
+        if known is not None and known.terminal_prefix is not None and known.chain == chain:
+            # started at queue entry and already terminal then (a pool hit cost_aware reads nothing
+            # for): its prefix is final, so no second prefetch round trip on SGLang's query path
+            self._count("queries_answered_at_entry")
+            known.resident = True
+            return min(len(keys), known.terminal_prefix)
         ref = SessionRef(rid, attempt, chain, {k: i for i, k in enumerate(keys)})
         if not self.sessions.open(ref):  # before the prefetch: a demand or end from the scheduler finds it
             return 0  # the request left before its query ran

@@ -36,6 +36,9 @@ class SessionRef:
     demanded: bool = False  # the scheduler saw the request as a candidate
     ended: bool = False  # the scheduler is done with it (consumed, terminated, aborted)
     resident: bool = False  # the hit the query reported was resident in the pool when it answered
+    # the prefix of a session that was already terminal when this rank started it at queue entry
+    # (cost_aware under SGLang): its query answers that without a second round trip
+    terminal_prefix: int | None = None
 
 
 DEMAND, ABORT = "demand", "abort"

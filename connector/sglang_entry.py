@@ -36,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,10 @@ class EntryGate:
         """This rank's answer: True (run SGLang's operation) unless the sidecar says nothing can be
         restored; True on any error."""
         try:
+            t0 = time.perf_counter()
             keys = self.keys(cache, new_input_tokens, last_hash, extra_key, cache_salt)
+            if self.backend.trace is not None:
+                self.backend.trace(request.rid, "entry_keys", t0, time.perf_counter())
             return self.backend.start_at_entry(request.rid, request.attempt_id, keys, eta_s, prefill_s_per_block)
         except Exception:  # a bug here must not stop SGLang (nor split the group)
             self._count("errors")
@@ -90,13 +94,19 @@ class EntryGate:
         import torch
 
         self._count("asked")
+        trace = self.backend.trace
+        t0 = time.perf_counter()
         mine = self.local_answer(cache, request, new_input_tokens, last_hash, extra_key, cache_salt,
                                  eta_s, prefill_s_per_block)
+        t1 = time.perf_counter()
         agreed = mine
         if getattr(cache, "tp_world_size", 1) > 1:
             flag = torch.tensor(int(mine), dtype=torch.int)
             cache._all_reduce_attn_groups(flag, torch.distributed.ReduceOp.MAX)
             agreed = bool(int(flag.item()))
+        if trace is not None:  # the timeline: this rank's own answer, then the wait for the group's
+            trace(request.rid, "entry_ask", t0, t1)
+            trace(request.rid, "entry_agree", t1, time.perf_counter())
         if not agreed:
             self._count("skipped")
             self.backend.end(request.rid, request.attempt_id)  # (terminal already: unregisters it)

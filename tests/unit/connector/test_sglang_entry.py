@@ -29,6 +29,7 @@ def test_gate_applies_exactly_where_sglang_would_query(n, page, threshold, hit_e
 class _Backend:
     def __init__(self, answer):
         self.answer, self.ended, self.counts = answer, [], {}
+        self.trace = None
 
     def _count(self, name):
         self.counts[name] = self.counts.get(name, 0) + 1
