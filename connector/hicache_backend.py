@@ -343,6 +343,16 @@ class KvSidecarHiCacheStorage(_Base):
                 self._count("aborts_inline")
                 send()
 
+    def _start_session(self, c, ref: SessionRef, policy: str, n_keys: int, eta_s, prefill_s_per_block) -> dict:
+        """Start (or join) ``ref``'s session: the one ``prefetch`` both the queue entry and the
+        prefetch thread's query send, with the same parameters (a join ignores them)."""
+        s = self.config.sessions
+        view = c.prefetch(ref.chain, ref.rid, attempt=ref.attempt, policy=policy, budget_s=s.budget_s,
+                          chunk_max_blocks=s.chunk_max_blocks or None, tokens=n_keys * self.layout.tokens_per_block,
+                          eta_s=eta_s, prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
+        self._count("sessions_joined" if view.get("existed") else "sessions_started")
+        return view
+
     def start_at_entry(self, rid: str, attempt: int, keys, eta_s: float | None = None,
                        prefill_s_per_block: float | None = None) -> bool:
         """``cost_aware`` at the request's queue entry (SGLang's scheduler thread): start its
@@ -364,17 +374,11 @@ class KvSidecarHiCacheStorage(_Base):
         if not self.sessions.open(ref):
             return True  # ended already: SGLang's own checks decide (its query then starts nothing)
 
-        def run(c):
-            return c.prefetch(chain, ref.rid, attempt=ref.attempt, policy=s.policy, budget_s=s.budget_s,
-                              chunk_max_blocks=s.chunk_max_blocks or None,
-                              tokens=len(keys) * self.layout.tokens_per_block, eta_s=eta_s,
-                              prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
-
-        view = self._call(run, None)
+        view = self._call(lambda c: self._start_session(c, ref, s.policy, len(keys), eta_s, prefill_s_per_block),
+                          None)
         if view is None:
             self.sessions.discard(ref)
             return True
-        self._count("sessions_joined" if view.get("existed") else "sessions_started")
         self._count("entry_sessions")
         if view.get("state") == "terminal":
             if not view.get("prefix"):
@@ -419,11 +423,7 @@ class KvSidecarHiCacheStorage(_Base):
 
         def run(c):
             t0 = time.perf_counter()
-            view = c.prefetch(chain, rid, attempt=attempt, policy=policy, budget_s=s.budget_s,
-                              chunk_max_blocks=s.chunk_max_blocks or None,
-                              tokens=len(keys) * self.layout.tokens_per_block, eta_s=eta_s,
-                              prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
-            self._count("sessions_joined" if view.get("existed") else "sessions_started")
+            view = self._start_session(c, ref, policy, len(keys), eta_s, prefill_s_per_block)
             demanded, ended = self.sessions.flags(ref)
             if ended:  # the scheduler was done with it while the prefetch was on its way
                 c.abort(rid, attempt=attempt)
