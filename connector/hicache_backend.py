@@ -65,6 +65,7 @@ from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
+from .hicache_layout import host_page_indices, layout_for_host_pool  # noqa: F401  (layout_for_host_pool: part of this API)
 from .kv_copy import KVShapeError
 from .session_registry import SessionRef, SessionRegistry  # noqa: F401  (SessionRef: part of this API)
 from .sglang_config import PluginConfig, load_plugin_config
@@ -81,25 +82,6 @@ except ImportError:  # the rest of the project does not need SGLang
             self.mem_pool_host = mem_pool_host
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32",
-           "torch.float8_e4m3fn": "float8_e4m3fn", "torch.float8_e5m2": "float8_e5m2", "torch.uint8": "uint8",
-           "torch.int8": "int8"}
-
-
-def layout_for_host_pool(pool, model_name: str | None, is_mla: bool, tp_size: int = 1) -> KVLayout:
-    """The kvsidecar layout of a TP group whose shard ``r`` is one page of rank ``r``'s host pool
-    (MLA: one replicated shard)."""
-    dtype = _DTYPES.get(str(pool.dtype))
-    if dtype is None:
-        raise ValueError(f"unsupported host pool dtype {pool.dtype}")
-    if is_mla:
-        head_dim = getattr(pool, "kv_lora_rank", 0) + getattr(pool, "qk_rope_head_dim", 0)
-        return KVLayout(model=model_name or "model", num_layers=pool.layer_num, num_kv_heads=1,
-                        head_dim=head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=tp_size, mla=True)
-    return KVLayout(model=model_name or "model", num_layers=pool.layer_num, num_kv_heads=pool.head_num * tp_size,
-                    head_dim=pool.head_dim, dtype=dtype, tokens_per_block=pool.page_size, tp_size=tp_size)
-
 
 STOPS_ON_DEMAND = ("cost_aware", "best_effort")  # the policies a demand stops (the others read on)
 
@@ -149,7 +131,7 @@ class KvSidecarHiCacheStorage(_Base):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.layout = layout_for_host_pool(mem_pool_host, self.model_name, self.is_mla, self.tp_size)
-        ptrs, sizes = mem_pool_host.get_page_buffer_meta(_indices(mem_pool_host, [0]))
+        ptrs, sizes = mem_pool_host.get_page_buffer_meta(host_page_indices(mem_pool_host, [0]))
         if sum(sizes) != self.layout.shard_bytes:
             raise ValueError(f"host pool page is {sum(sizes)} bytes, a layout shard is {self.layout.shard_bytes}")
         if len(set(sizes)) != 1:
@@ -633,10 +615,3 @@ def _restore_then_lookup(c, chain: bytes, n: int) -> int:
         c.restore(chain)
         hit = c.lookup(chain)
     return hit
-
-
-def _indices(pool, pages):
-    import torch
-
-    ps = pool.page_size
-    return torch.tensor([p * ps + i for p in pages for i in range(ps)], dtype=torch.int64)
