@@ -48,6 +48,12 @@ trivially.
   (``kvsidecar.connector.reconnect``, shared by the pool's threads): a restart is re-attached by
   the call that notices it, an absent sidecar tried again every ``reattach_every_s``.
 
+The module holds the storage interface SGLang's threads call and what it shares (set-up,
+the connection pool, keys, copies).  The request lifecycle the plugin drives from the scheduler
+thread (``start_at_entry``, ``demand``, ``stop_for_prefill``, ``end``) is
+:mod:`kvsidecar.connector.hicache_requests`; the generic whole-page interface (``exists``,
+``get``, ``set`` and their batches) is :mod:`kvsidecar.connector.hicache_generic`.
+
 Importable without SGLang (then it derives from a small stand-in base).
 """
 
@@ -61,12 +67,13 @@ import time
 
 from kvsidecar._native.hashing import murmur3_128
 from kvsidecar.shm.chain import span as chain_span
-from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from .kv_client import KVConnector
 from .hicache_layout import host_page_indices, layout_for_host_pool  # noqa: F401  (layout_for_host_pool: part of this API)
 from .kv_copy import KVShapeError
+from .hicache_generic import GenericPageInterface
+from .hicache_requests import STOPS_ON_DEMAND, RequestLifecycle  # noqa: F401  (STOPS_ON_DEMAND: part of this API)
 from .session_registry import SessionRef, SessionRegistry  # noqa: F401  (SessionRef: part of this API)
 from .sglang_config import PluginConfig, load_plugin_config
 from .background_calls import BackgroundCalls
@@ -83,16 +90,13 @@ except ImportError:  # the rest of the project does not need SGLang
 
 log = logging.getLogger(__name__)
 
-STOPS_ON_DEMAND = ("cost_aware", "best_effort")  # the policies a demand stops (the others read on)
-
-
 @dataclasses.dataclass(frozen=True)
 class Binding:
     rid: str
     attempt: int
 
 
-class KvSidecarHiCacheStorage(_Base):
+class KvSidecarHiCacheStorage(RequestLifecycle, GenericPageInterface, _Base):
     def __init__(self, storage_config, kwargs=None):
         self.config: PluginConfig = load_plugin_config(getattr(storage_config, "extra_config", None))
         cfg = self.config
@@ -232,146 +236,6 @@ class KvSidecarHiCacheStorage(_Base):
         else the latest one queried with them)."""
         b = self._binding()
         return self.sessions.for_keys(keys, (b.rid, b.attempt) if b is not None else None)
-
-    def session(self, rid: str, attempt: int = 0) -> SessionRef | None:
-        return self.sessions.get(str(rid), int(attempt or 0))
-
-    def resident(self, rid: str, attempt: int = 0) -> bool:
-        """The hit this rank's query reported for the request was resident in the sidecar's pool
-        when it answered (SGLang's copy of it is then a memcpy; :mod:`kvsidecar.connector.sglang_settle`)."""
-        ref = self.session(rid, attempt)
-        return ref is not None and ref.resident
-
-    def demand(self, rid: str, attempt: int = 0) -> None:
-        """SGLang's first readiness check of the request: it is a scheduling candidate now.
-
-        Not for ``cost_aware`` driven by the plugin's ETA stream (``eta_source``): SGLang checks
-        every waiting request's prefetch at every iteration, so its first check comes one
-        iteration after queue entry wherever the request stands; taken as a demand (its ETA set
-        to *now*) it ended every plan to read behind the queue.  The ETA stream says when the
-        prefill can start (zero for every request within the next prefill batch's budget: the
-        same stop, at the right time; :mod:`kvsidecar.connector.sglang_eta`)."""
-        if not self.config.sessions.enabled:
-            return
-        if self.config.sessions.policy == "cost_aware" and self.eta_source is not None:
-            self._count("demands_left_to_eta")
-            return
-        key = (str(rid), int(attempt or 0))
-        if not self.sessions.demand(*key):  # demanded already, or the query sends it when it runs
-            return
-        self._count("demands")
-
-        def run(c):
-            try:
-                c.demand(key[0], attempt=key[1])
-            except RemoteError as exc:
-                if exc.code != ErrorCode.UNKNOWN_ID:
-                    raise
-                # the query thread's prefetch has not reached the sidecar yet: it sends the demand
-
-        self._call(run, None)
-
-    def stop_for_prefill(self, rid: str, attempt: int = 0) -> bool:
-        """The request can start its prefill in this scheduler iteration (the settler's
-        admissibility, :mod:`kvsidecar.connector.sglang_settle`): a demand, whatever the policy
-        -- the one scheduling candidate SGLang's own checks cannot name.  Every rank sends it
-        (idempotent).  True when the session has ended, or stopped on the demand and only
-        drains its reads in flight (a policy that stops on it: ``cost_aware``, ``best_effort``),
-        which it waits for no longer than half ``settle_wait_s`` (``drain_s``): SGLang's copy of
-        its prefix follows shortly, worth holding the iteration for.  False for
-        a session that goes on (``timeout``, ``wait_complete``: draining there is the rest of the
-        hit being read), none, or an unreachable sidecar."""
-        if not self.config.sessions.enabled:
-            return False
-        key = (str(rid), int(attempt or 0))
-        if self.session(*key) is None:
-            return False
-        self.sessions.demand(*key)  # (the first readiness check then sends no second demand)
-        self._count("settle_demands")
-        # SGLang admits the request in this iteration or a forward pass later: a read that has
-        # not landed within half the settler's wait is left behind (the rest covers the copy)
-        drain_s = self.config.sessions.settle_wait_s / 2
-
-        def run(c):
-            try:
-                return c.demand(key[0], attempt=key[1], drain_s=drain_s)
-            except RemoteError as exc:
-                if exc.code != ErrorCode.UNKNOWN_ID:
-                    raise
-                return None  # gone: nothing to wait for
-
-        view = self._call(run, None) or {}
-        ending = view.get("state") == "terminal" or (
-            view.get("state") == "draining" and view.get("policy") in STOPS_ON_DEMAND)
-        if ending:
-            self._count("settle_demands_ending")
-        return ending
-
-    def end(self, rid: str, attempt: int = 0, abort: bool = True) -> None:
-        """The request's prefetch is over for SGLang (consumed, terminated, revoked or aborted):
-        stop the session if it still runs and drop whatever it still holds."""
-        if not self.config.sessions.enabled:
-            return
-        key = (str(rid), int(attempt or 0))
-        if self.sessions.end(*key) is None:  # no session (yet): a query still to come starts none
-            return
-        if abort:
-            self._count("aborts")
-
-            def send():
-                self._call(lambda c: c.abort(key[0], attempt=key[1]), None)
-
-            if not self._aborts.submit(send):  # hand-off full or closed: on this thread
-                self._count("aborts_inline")
-                send()
-
-    def _start_session(self, c, ref: SessionRef, policy: str, n_keys: int, eta_s, prefill_s_per_block) -> dict:
-        """Start (or join) ``ref``'s session: the one ``prefetch`` both the queue entry and the
-        prefetch thread's query send, with the same parameters (a join ignores them)."""
-        s = self.config.sessions
-        view = c.prefetch(ref.chain, ref.rid, attempt=ref.attempt, policy=policy, budget_s=s.budget_s,
-                          chunk_max_blocks=s.chunk_max_blocks or None, tokens=n_keys * self.layout.tokens_per_block,
-                          eta_s=eta_s, prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
-        self._count("sessions_joined" if view.get("existed") else "sessions_started")
-        return view
-
-    def start_at_entry(self, rid: str, attempt: int, keys, eta_s: float | None = None,
-                       prefill_s_per_block: float | None = None) -> bool:
-        """``cost_aware`` at the request's queue entry (SGLang's scheduler thread): start its
-        session now, over ``keys`` -- the chain SGLang's prefetch thread will query, whose
-        ``batch_exists`` then joins this session -- and say whether a storage operation for the
-        request can restore anything.
-
-        False only when the sidecar ended the session as it started with nothing to restore: no
-        resident prefix, and not even the best case of an L3 read lowers TTFT
-        (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`); the session is then ended here.
-        True otherwise, and whenever the sidecar cannot answer (SGLang then runs its storage
-        operation as it would without this).  The answer is this rank's: the plugin agrees on it
-        across the TP group before acting on it (SGLang's storage drains are collective)."""
-        if not keys or not self.config.sessions.enabled or not self.use_l3:
-            return True
-        s = self.config.sessions
-        chain = self._chain(keys)
-        ref = SessionRef(str(rid), int(attempt or 0), chain, {k: i for i, k in enumerate(keys)})
-        if not self.sessions.open(ref):
-            return True  # ended already: SGLang's own checks decide (its query then starts nothing)
-
-        view = self._call(lambda c: self._start_session(c, ref, s.policy, len(keys), eta_s, prefill_s_per_block),
-                          None)
-        if view is None:
-            self.sessions.discard(ref)
-            return True
-        self._count("entry_sessions")
-        if view.get("state") == "terminal":
-            if not view.get("prefix"):
-                self._count("entry_nothing_to_restore")
-                return False
-            ref.terminal_prefix = int(view["prefix"])  # final: the query answers it as it is
-        return True
-
-    def flush_aborts(self, timeout_s: float) -> bool:
-        """Wait (bounded) until every abort :meth:`end` handed off has reached the sidecar."""
-        return self._aborts.flush(timeout_s)
 
     # -- the v1 interface -------------------------------------------------------------------------
     def batch_exists(self, keys, extra_info=None) -> int:
@@ -522,71 +386,6 @@ class KvSidecarHiCacheStorage(_Base):
         self._count("set_pages_ok", sum(res))
         self._count("set_pages_failed", n - sum(res))
         return res
-
-    # -- the generic interface (whole pages as uint8 tensors; this rank's shard) ------------------
-    def exists(self, key) -> bool:
-        return self.batch_exists([key]) == 1
-
-    def get(self, key, target_location=None, target_sizes=None):
-        out = self.batch_get([key], [target_location] if target_location is not None else None)
-        return out[0] if out else None
-
-    def batch_get(self, keys, target_locations=None, target_sizes=None):
-        """Values as uint8 tensors (or copied into ``target_locations`` tensors); None per miss."""
-        import torch
-
-        chain = self._chain(keys)
-
-        def run(c):
-            lease = c.get(chain)
-            out = []
-            try:
-                good = c.verified(lease, 0, lease.count)
-                for i in range(len(keys)):
-                    if i >= good:
-                        out.append(None)
-                        continue
-                    data = torch.frombuffer(bytearray(c.copier.read_shard(lease.blocks[i])), dtype=torch.uint8)
-                    if target_locations is not None and target_locations[i] is not None:
-                        target_locations[i].view(torch.uint8).view(-1).copy_(data)
-                        out.append(target_locations[i])
-                    else:
-                        out.append(data)
-            finally:
-                c.release(lease)
-            return out
-
-        return self._call(run, [None] * len(keys))
-
-    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
-        return self.batch_set([key], [value] if value is not None else None,
-                              [target_location] if target_location is not None else None)
-
-    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        """Store whole-page values (tensors of exactly one shard's bytes)."""
-        import torch
-
-        src = values if values is not None else target_locations
-        if src is None or len(src) != len(keys):
-            return False
-        if not self.writer:
-            return True
-        chain = self._chain(keys)
-
-        def run(c):
-            st = self._store(c, chain, keys)
-            if not st.count:
-                return True
-            for i, b in enumerate(st.blocks):
-                try:
-                    c.copier.write_shard(b, src[st.start + i].contiguous().view(-1).view(torch.uint8).numpy())
-                except KVShapeError:
-                    c.commit(st, ok=False)
-                    return False
-            r = c.commit(st)
-            return bool(r.get("published") or r.get("pending"))
-
-        return self._call(run, False)
 
     def clear(self) -> None:
         """Drop every unpinned block of the CPU pool (L3 keeps its copies)."""

@@ -1,0 +1,171 @@
+"""The request lifecycle half of the SGLang HiCache backend: what kvsidecar's SGLang plugin
+(:mod:`kvsidecar.connector.sglang_plugin`) drives from SGLang's scheduler thread, beside the
+storage interface SGLang's own threads call (:mod:`kvsidecar.connector.hicache_backend`).
+
+* ``start_at_entry``: ``cost_aware`` at queue entry starts the request's session and says whether
+  any storage operation for it can restore anything (the plugin agrees on it across the TP group);
+* ``demand`` / ``stop_for_prefill``: the request became a scheduling candidate / can start its
+  prefill in this iteration (the settler, :mod:`kvsidecar.connector.sglang_settle`);
+* ``end``: SGLang is done with the request's prefetch; its abort is handed to a background
+  sender (never on the scheduler thread, in order, never dropped; ``flush_aborts`` waits for it).
+
+Invariants: every rank sends the same idempotent call for the same request, so no rank waits
+on another's message; the session table's lock is never held across a sidecar call; an
+unreachable sidecar answers "run SGLang's own operation" (``start_at_entry``) or "nothing to
+wait for" (the others), never an exception into SGLang.
+
+A mixin: the backend provides ``config``, ``layout``, ``use_l3``, ``sessions``
+(:class:`~kvsidecar.connector.session_registry.SessionRegistry`), ``_aborts``
+(:class:`~kvsidecar.connector.background_calls.BackgroundCalls`), ``_call`` (a call on a pooled
+connection, or the default), ``_count`` and ``_chain``.
+"""
+
+from __future__ import annotations
+
+from kvsidecar.shm.errors import ErrorCode, RemoteError
+
+from .session_registry import SessionRef
+
+STOPS_ON_DEMAND = ("cost_aware", "best_effort")  # the policies a demand stops (the others read on)
+
+
+class RequestLifecycle:
+    def session(self, rid: str, attempt: int = 0) -> SessionRef | None:
+        return self.sessions.get(str(rid), int(attempt or 0))
+
+    def resident(self, rid: str, attempt: int = 0) -> bool:
+        """The hit this rank's query reported for the request was resident in the sidecar's pool
+        when it answered (SGLang's copy of it is then a memcpy; :mod:`kvsidecar.connector.sglang_settle`)."""
+        ref = self.session(rid, attempt)
+        return ref is not None and ref.resident
+
+    def demand(self, rid: str, attempt: int = 0) -> None:
+        """SGLang's first readiness check of the request: it is a scheduling candidate now.
+
+        Not for ``cost_aware`` driven by the plugin's ETA stream (``eta_source``): SGLang checks
+        every waiting request's prefetch at every iteration, so its first check comes one
+        iteration after queue entry wherever the request stands; taken as a demand (its ETA set
+        to *now*) it ended every plan to read behind the queue.  The ETA stream says when the
+        prefill can start (zero for every request within the next prefill batch's budget: the
+        same stop, at the right time; :mod:`kvsidecar.connector.sglang_eta`)."""
+        if not self.config.sessions.enabled:
+            return
+        if self.config.sessions.policy == "cost_aware" and self.eta_source is not None:
+            self._count("demands_left_to_eta")
+            return
+        key = (str(rid), int(attempt or 0))
+        if not self.sessions.demand(*key):  # demanded already, or the query sends it when it runs
+            return
+        self._count("demands")
+
+        def run(c):
+            try:
+                c.demand(key[0], attempt=key[1])
+            except RemoteError as exc:
+                if exc.code != ErrorCode.UNKNOWN_ID:
+                    raise
+                # the query thread's prefetch has not reached the sidecar yet: it sends the demand
+
+        self._call(run, None)
+
+    def stop_for_prefill(self, rid: str, attempt: int = 0) -> bool:
+        """The request can start its prefill in this scheduler iteration (the settler's
+        admissibility, :mod:`kvsidecar.connector.sglang_settle`): a demand, whatever the policy
+        -- the one scheduling candidate SGLang's own checks cannot name.  Every rank sends it
+        (idempotent).  True when the session has ended, or stopped on the demand and only
+        drains its reads in flight (a policy that stops on it: ``cost_aware``, ``best_effort``),
+        which it waits for no longer than half ``settle_wait_s`` (``drain_s``): SGLang's copy of
+        its prefix follows shortly, worth holding the iteration for.  False for
+        a session that goes on (``timeout``, ``wait_complete``: draining there is the rest of the
+        hit being read), none, or an unreachable sidecar."""
+        if not self.config.sessions.enabled:
+            return False
+        key = (str(rid), int(attempt or 0))
+        if self.session(*key) is None:
+            return False
+        self.sessions.demand(*key)  # (the first readiness check then sends no second demand)
+        self._count("settle_demands")
+        # SGLang admits the request in this iteration or a forward pass later: a read that has
+        # not landed within half the settler's wait is left behind (the rest covers the copy)
+        drain_s = self.config.sessions.settle_wait_s / 2
+
+        def run(c):
+            try:
+                return c.demand(key[0], attempt=key[1], drain_s=drain_s)
+            except RemoteError as exc:
+                if exc.code != ErrorCode.UNKNOWN_ID:
+                    raise
+                return None  # gone: nothing to wait for
+
+        view = self._call(run, None) or {}
+        ending = view.get("state") == "terminal" or (
+            view.get("state") == "draining" and view.get("policy") in STOPS_ON_DEMAND)
+        if ending:
+            self._count("settle_demands_ending")
+        return ending
+
+    def end(self, rid: str, attempt: int = 0, abort: bool = True) -> None:
+        """The request's prefetch is over for SGLang (consumed, terminated, revoked or aborted):
+        stop the session if it still runs and drop whatever it still holds."""
+        if not self.config.sessions.enabled:
+            return
+        key = (str(rid), int(attempt or 0))
+        if self.sessions.end(*key) is None:  # no session (yet): a query still to come starts none
+            return
+        if abort:
+            self._count("aborts")
+
+            def send():
+                self._call(lambda c: c.abort(key[0], attempt=key[1]), None)
+
+            if not self._aborts.submit(send):  # hand-off full or closed: on this thread
+                self._count("aborts_inline")
+                send()
+
+    def _start_session(self, c, ref: SessionRef, policy: str, n_keys: int, eta_s, prefill_s_per_block) -> dict:
+        """Start (or join) ``ref``'s session: the one ``prefetch`` both the queue entry and the
+        prefetch thread's query send, with the same parameters (a join ignores them)."""
+        s = self.config.sessions
+        view = c.prefetch(ref.chain, ref.rid, attempt=ref.attempt, policy=policy, budget_s=s.budget_s,
+                          chunk_max_blocks=s.chunk_max_blocks or None, tokens=n_keys * self.layout.tokens_per_block,
+                          eta_s=eta_s, prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
+        self._count("sessions_joined" if view.get("existed") else "sessions_started")
+        return view
+
+    def start_at_entry(self, rid: str, attempt: int, keys, eta_s: float | None = None,
+                       prefill_s_per_block: float | None = None) -> bool:
+        """``cost_aware`` at the request's queue entry (SGLang's scheduler thread): start its
+        session now, over ``keys`` -- the chain SGLang's prefetch thread will query, whose
+        ``batch_exists`` then joins this session -- and say whether a storage operation for the
+        request can restore anything.
+
+        False only when the sidecar ended the session as it started with nothing to restore: no
+        resident prefix, and not even the best case of an L3 read lowers TTFT
+        (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`); the session is then ended here.
+        True otherwise, and whenever the sidecar cannot answer (SGLang then runs its storage
+        operation as it would without this).  The answer is this rank's: the plugin agrees on it
+        across the TP group before acting on it (SGLang's storage drains are collective)."""
+        if not keys or not self.config.sessions.enabled or not self.use_l3:
+            return True
+        s = self.config.sessions
+        chain = self._chain(keys)
+        ref = SessionRef(str(rid), int(attempt or 0), chain, {k: i for i, k in enumerate(keys)})
+        if not self.sessions.open(ref):
+            return True  # ended already: SGLang's own checks decide (its query then starts nothing)
+
+        view = self._call(lambda c: self._start_session(c, ref, s.policy, len(keys), eta_s, prefill_s_per_block),
+                          None)
+        if view is None:
+            self.sessions.discard(ref)
+            return True
+        self._count("entry_sessions")
+        if view.get("state") == "terminal":
+            if not view.get("prefix"):
+                self._count("entry_nothing_to_restore")
+                return False
+            ref.terminal_prefix = int(view["prefix"])  # final: the query answers it as it is
+        return True
+
+    def flush_aborts(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every abort :meth:`end` handed off has reached the sidecar."""
+        return self._aborts.flush(timeout_s)
