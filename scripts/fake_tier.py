@@ -193,7 +193,8 @@ class VirtualL3(FakeTier):
             if r.state != "queued":
                 continue
             r.state = "started"
-            seconds = self.p.l3_latency_s + r.n * self.true_s_per_block(self.loop.t)
+            held = sum(r.keys[i * KEY:(i + 1) * KEY] in self.holds for i in range(r.n))  # (as the shaped store:
+            seconds = self.p.l3_latency_s + held * self.true_s_per_block(self.loop.t)  # a missing key moves no bytes)
             self.busy, self.busy_until = r, self.loop.t + seconds
             self.loop.call_at(self.busy_until, self._finish, r, seconds)
 

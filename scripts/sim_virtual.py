@@ -85,6 +85,7 @@ class SimParams:
     turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
     skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
     calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
+    read_with_query: bool = True  # sessions.read_with_query: the first chunk is read with the L3 query
 
     @property
     def l3_s_per_block(self) -> float:
@@ -205,7 +206,7 @@ class Engine:
         self.l3 = VirtualL3(self.loop, holds, self.contents, self.source, p, drop_at)
         sess = SessionsConfig(chunk_max_blocks=(self.kw or {}).get("chunk_max_blocks", 128), window=2,
                               retained_ttl_s=30.0, prefill_s_per_block=p.compute_s_per_block,
-                              load_s_per_block=p.copy_s_per_block)
+                              load_s_per_block=p.copy_s_per_block, read_with_query=p.read_with_query)
         self.sm = SessionManager(self.core, self.l3, sess, clock=self.loop.clock)
         self.group = f"vsim-{arm}"
         self.ranks = [_Conn(self.group, r, p.tp, r) for r in range(p.tp)]

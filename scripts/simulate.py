@@ -139,7 +139,10 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
     table = arms or ARMS
     args = dict(base_args, arm=arm, arm_kw=table[arm] if arm_kw is None else arm_kw)
     args["instance"] = f"kvssim{os.getpid()}"
-    with SidecarProcess(args["instance"], overrides=sidecar_overrides):
+    # an arm may set sidecar config of its own (``"sidecar": {...}`` in its table entry: an A/B of
+    # a sidecar setting under one policy, interleaved like every other arm)
+    overrides = dict(sidecar_overrides, **((args["arm_kw"] or {}).get("sidecar") or {}))
+    with SidecarProcess(args["instance"], overrides=overrides):
         ranks_done, watcher = threading.Event(), None
         if while_running is not None:
             watcher = threading.Thread(target=while_running, args=(arm, args["instance"], ranks_done), daemon=True)

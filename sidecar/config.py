@@ -149,6 +149,10 @@ class SessionsConfig:
     prefill_s_per_block: float = 0.0
     load_s_per_block: float = 0.0
     probe_blocks: int = 4
+    # the first chunk is read with the L3 existence query, not after its answer (one L3 round
+    # trip less on every hit; a chunk past the hit is fitted to it, or taken back unstarted).
+    # Not for wait_complete (one claim) nor a cost_aware probe.
+    read_with_query: bool = True
 
 
 @dataclasses.dataclass

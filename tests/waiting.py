@@ -79,3 +79,10 @@ def reads_held(conn) -> int:
 def wait_read_held(conn, timeout: float = 20.0) -> int:
     """Wait (bounded) until at least one L3 read is held at the gate: the session is mid-flight."""
     return wait_until(lambda: reads_held(conn), timeout, "an L3 read held at the read gate")
+
+
+def wait_past_query(conn, req: str, timeout: float = 20.0) -> dict:
+    """Wait (bounded) until ``req``'s session has its L3 query's answer (its state is no longer
+    "querying"): with ``sessions.read_with_query`` its first read is in flight before that."""
+    return wait_until(lambda: conn.poll(req), timeout, f"{req}'s L3 query answered",
+                      until=lambda v: v.get("state") != "querying")

@@ -1,7 +1,8 @@
 """A shaping and fault-injection wrapper around any backend (tests and benchmarks).
 
 * ``latency_s``: added once per read/write call (a network round trip);
-* ``bandwidth_bps``: bytes take ``bytes / bandwidth`` seconds (0 = unlimited);
+* ``bandwidth_bps``: bytes take ``bytes / bandwidth`` seconds (0 = unlimited; a read pays for
+  the blocks the store holds: a missing key costs only the round trip);
 * ``fail``: per-block read failures — ``"first"`` (block 0 of each call), ``"tail"``
   (the last block), ``"random"`` (each with ``fail_prob``), ``"keys"`` (keys containing
   any of ``fail_keys``) or ``""``;
@@ -80,8 +81,8 @@ class ShapedBackend(L3Backend):
                 self._hang.wait(0.5)
             if self._gate is not None:
                 self._pass_gate()
-            self._delay(size * len(keys))
             ok = self.inner.read(keys, addrs, size, tails, tail_size)
+            self._delay(size * sum(1 for o in ok if o))  # a key the store does not hold moves no bytes
             return [o and not self._fails(i, len(keys), k) for i, (o, k) in enumerate(zip(ok, keys))]
         finally:
             with self._lock:

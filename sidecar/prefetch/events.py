@@ -68,9 +68,13 @@ class Drop:
 
 @dataclasses.dataclass(frozen=True)
 class Detach:
-    chunk: int  # a probe still in flight: the session stops counting on it; the read goes on
-    # without it (its blocks are published if they land in chain order; its timing still
-    # teaches the estimator).  Emitted only for the probe chunk, and the session is sealed.
+    chunk: int  # a chunk still in flight: the session stops counting on it
+    # A probe's read goes on without it (its blocks are published if they land in chain order;
+    # its timing still teaches the estimator); the probe's session is sealed.  ``withdraw``: a
+    # chunk read with the query that the answer put wholly past L3's hit -- taken back from the
+    # sender queue if its read has not started, else left to end on its own (nothing of it is
+    # in L3: it publishes nothing).
+    withdraw: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,13 +177,16 @@ EVENTS = (Start, QueryDone, ClaimShort, ChunkDone, ChunkWithdrawn, ChunkAbandone
 _TRIGGERS = (Demand, Replan, Tick, Abort)
 
 #: (state, event type) -> LEGAL | IGNORED; any other pair is an :class:`IllegalTransition`.
-#: Chunks exist only from RUNNING on (claims start when the query is answered); a chunk is
-#: withdrawn or abandoned only after the seal, which with anything in flight is DRAINING;
-#: after TERMINAL late answers and triggers are ignored, but chunk bookkeeping is a bug.
+#: Chunks exist from RUNNING on, and while QUERYING only the one read with the query
+#: (``Params.read_with_query``); a chunk is withdrawn or abandoned only after the seal, which
+#: with anything in flight is DRAINING (a session sealed before its query answered ignores the
+#: late answer there); after TERMINAL late answers and triggers are ignored, but chunk
+#: bookkeeping is a bug.
 TRANSITIONS: dict = {
     **{(State.CREATED, e): LEGAL for e in (Start, *_TRIGGERS)},
-    **{(State.QUERYING, e): LEGAL for e in (QueryDone, *_TRIGGERS)},
+    **{(State.QUERYING, e): LEGAL for e in (QueryDone, ClaimShort, ChunkDone, *_TRIGGERS)},
     **{(State.RUNNING, e): LEGAL for e in (ClaimShort, ChunkDone, *_TRIGGERS)},
     **{(State.DRAINING, e): LEGAL for e in (ClaimShort, ChunkDone, ChunkWithdrawn, ChunkAbandoned, *_TRIGGERS)},
+    (State.DRAINING, QueryDone): IGNORED,
     **{(State.TERMINAL, e): IGNORED for e in (Start, QueryDone, ChunkDone, *_TRIGGERS)},
 }

@@ -13,7 +13,9 @@ to the machine (through the continuations the session manager gives it at constr
 * **Publish** / **Drop** → the manager publishes in chain order / frees from a position — only
   ever after the chunk's read completed.
 * **Detach** → the probe's read goes on without the session (:meth:`PoolManager.leave_behind`:
-  an orphan, published if it lands in chain order); the tier still measures it.
+  an orphan, published if it lands in chain order); the tier still measures it.  With
+  ``withdraw`` (a chunk read with the query, wholly past L3's hit) the read is taken back from
+  the sender queue if it has not started (:meth:`PoolManager.withdraw`), else left behind so.
 * **Finish** → ``finished(rec, action)`` (the session manager keeps the result and ends it).
 * After a stop trigger, reads not yet started leave the sender queue (:meth:`withdraw_queued`);
   when the drain budget runs out, reads still in flight are left behind (:meth:`abandon_in_flight`).
@@ -166,10 +168,25 @@ class SessionExecutor:
 
     def _detach(self, rec: Record, a: Detach) -> None:
         io = rec.chunks.pop(a.chunk, None)
-        if io is not None:  # (None: a limit refused the whole claim)
+        if io is None:  # (a limit refused the whole claim)
+            return
+        rec.events.append(("detach", self.clock(), [a.chunk, io.count]))
+        if not a.withdraw:  # a probe: its read goes on, for the estimate
             self.pool.leave_behind(io.plan, rec.machine.published)
             self.counters["probes_detached"] += 1
-            rec.events.append(("detach", self.clock(), [a.chunk, io.count]))
+            return
+        # read with the query, wholly past L3's hit: taken back unless its read started (or
+        # other sessions await its blocks: then it goes on for them)
+        plan = io.plan
+        if io.reading and io.job is not None and not self.pool.awaited(plan) and io.job.cancel():
+            self.counters["reads_with_query_withdrawn"] += 1
+            self.pool.withdraw(plan, rec.machine.published)
+        elif not io.reading and not plan.resolved and not (plan.own_blocks and self.pool.awaited(plan)):
+            self.counters["reads_with_query_withdrawn"] += 1  # (it only awaited other writers' blocks)
+            self.pool.withdraw(plan, rec.machine.published)
+        else:
+            self.counters["reads_with_query_left"] += 1
+            self.pool.leave_behind(plan, rec.machine.published)
 
     # -- after a stop -----------------------------------------------------------------------------
     def withdraw_queued(self, rec: Record) -> list:

@@ -14,7 +14,9 @@ indices in the request's chain.
 
     CREATED → QUERYING → RUNNING → (SEALED) → DRAINING → TERMINAL
                  │          │         a stop trigger: no new claims
-                 └──────────┴──────── terminal directly when nothing is in flight
+                 │          └──────── terminal directly when nothing is in flight
+                 └─────────────────── sealed while querying: DRAINING with the chunk read with
+                                      the query in flight, else TERMINAL (the answer is ignored)
 
 Guarantees (checked by the property tests):
 
@@ -50,6 +52,13 @@ Guarantees (checked by the property tests):
   L3 query when even the best case (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`)
   cannot pay: it is terminal from the start (``CREATED → TERMINAL``), holding the resident
   prefix.
+* ``read_with_query`` (not ``wait_complete``, whose hit is one claim): the first chunk is
+  claimed with the L3 query, as if L3 held it (for ``cost_aware`` only where the measured
+  estimate says that chunk pays, never a probe), so a hit's first read does not wait one L3
+  round trip for the answer.  Nothing of it is published before the answer (a block that did
+  not land may only be past the hit); the answer then fits it to the hit: blocks past it are
+  dropped, not failures, and a chunk wholly past it still in flight is detached (``Detach``
+  with ``withdraw``: taken back if its read has not started).
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ class Chunk:
     start: int
     count: int
     ok: list | None = None  # None while in flight
+    valid: int | None = None  # read with the query past L3's hit: only its first ``valid`` blocks count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,8 @@ class Params:
     # SGLang's batch_exists), so a block read beyond that plan cannot help this request: nothing
     # past it is claimed, neither a chunk while queued nor a later plan that would reach further
     fixed_hit: bool = False
+    # the first chunk is claimed with the L3 query (see the module docstring)
+    read_with_query: bool = False
 
 
 class Session:
@@ -123,6 +135,7 @@ class Session:
         self.plan_claimed = p.resident  # the end of what was claimed as part of a plan
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
         self.hit_cap: int | None = None  # fixed_hit: the hit the engine was told (nothing is read past it)
+        self.with_query = -1  # the chunk claimed with the L3 query (read_with_query), or -1
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -251,14 +264,16 @@ class Session:
                 continue
             if c.start != self.published:
                 break
+            limit = c.count if c.valid is None else c.valid  # (past L3's hit: not a failure)
             k = 0
-            while k < c.count and c.ok[k]:
+            while k < limit and c.ok[k]:
                 k += 1
             if k:
                 out.append(Publish(c.id, k))
                 self.published += k
             if k < c.count:
                 out.append(Drop(c.id, k))
+            if k < limit:
                 self.cut = True
                 self._seal(Status.FAILED, "block read failed")
             del self.chunks[c.id]
@@ -323,10 +338,10 @@ class Session:
             return []
         done_naturally = self.state == State.RUNNING and self.next_pos >= self.target and not self.chunks
         if not (self.sealed or done_naturally) or self.in_flight:
-            if self.sealed and self.state == State.RUNNING and self.in_flight:
-                self.state = State.DRAINING
+            if self.sealed and self.state in (State.RUNNING, State.QUERYING) and self.in_flight:
+                self.state = State.DRAINING  # (from QUERYING: the chunk read with the query)
             return []
-        # (a session sealed while QUERYING holds no staging: it ends at once; the late
+        # (a session sealed while QUERYING without a chunk in flight ends at once; the late
         # query answer is then ignored)
         if not self.sealed:
             self._seal(Status.COMPLETE if self.published >= self.target else Status.FAILED)
@@ -376,17 +391,63 @@ class Session:
             return self._maybe_finish()
         self.state = State.QUERYING
         self.query_asked_at = e.now
-        return [Query(self.p.resident)]
+        return [Query(self.p.resident)] + self._claim_with_query()
+
+    def _claim_with_query(self) -> list:
+        """``read_with_query``: claim the first chunk now, as if L3 held it (the query's answer
+        fits it to the hit).  ``cost_aware`` claims it only on a measured estimate, where its
+        plan for the whole chain starts with it -- never a probe, which is planned on the answer."""
+        p = self.p
+        if not p.read_with_query or p.policy == Policy.WAIT_COMPLETE:
+            return []
+        remaining = p.total - p.resident
+        n = min(p.chunk_max_blocks, remaining)
+        if p.policy == Policy.COST_AWARE:
+            o, now = self.outlook, self.now
+            if o.unmeasured or o.probe_blocks:
+                return []
+            first = cost.next_claim(o, now, remaining, p.chunk_max_blocks, now, self.claimed_any)
+            if not p.fixed_hit:
+                first = max(first, cost.queued_chunk(o, now, remaining, p.chunk_max_blocks))
+            if first <= 0:
+                return []
+            self.target = p.total  # (for this one decision: the answer sets the target)
+            try:
+                n = self._cost_claim(commit=True)  # the same decision, with its bookkeeping
+            finally:
+                self.target = p.resident
+            if n <= 0:
+                return []
+        c = Chunk(self._ids, p.resident, n)
+        self._ids += 1
+        self.chunks[c.id] = c
+        self.next_pos = c.start + n
+        self.with_query = c.id
+        return [Claim(c.id, c.start, n)]
+
+    def _fit_to_hit(self) -> list:
+        """The query answered: the chunk read with it counts only up to L3's hit.  One wholly
+        past the hit and still in flight is detached (taken back if its read has not started)."""
+        c = self.chunks.get(self.with_query)
+        if c is None or c.start + c.count <= self.target:
+            return []
+        if self.target <= c.start and c.ok is None:
+            del self.chunks[c.id]
+            self.next_pos = c.start
+            return [Detach(c.id, withdraw=True)]
+        c.valid = max(0, self.target - c.start)
+        return []
 
     def _on_query_done(self, e: QueryDone) -> list:
         self.target = min(self.p.total, self.p.resident + max(e.hits, 0))
         self.state = State.RUNNING
         self._new_outlook(e.outlook)
+        out = self._fit_to_hit()
         if self.target == self.p.resident and not self.sealed:
             self._seal(Status.NO_HIT)
         if self.p.deadline is not None and e.now >= self.p.deadline:
             self._seal(Status.TIMEOUT, "deadline")
-        out = self._advance()
+        out += self._advance()
         if self.p.fixed_hit and self.p.policy == Policy.COST_AWARE:
             self.hit_cap = self.planned  # what the engine is told now is all it will ever fetch
         return out
@@ -415,6 +476,8 @@ class Session:
         self._new_outlook(e.outlook)
         if self.p.deadline is not None and e.now >= self.p.deadline:
             self._seal(Status.TIMEOUT, "deadline")
+        if self.state == State.QUERYING and not self.sealed:
+            return []  # read with the query: published once the answer says how much L3 holds
         return self._advance()
 
     def _on_withdrawn(self, e) -> list:
@@ -445,9 +508,12 @@ class Session:
         if self.p.policy != Policy.COST_AWARE:
             return []
         self._new_outlook(e.outlook)
-        if self.state == State.QUERYING and not self.sealed and not self._query_pays(e.now, self.query_asked_at):
+        # (with a chunk read with the query, the start's plan chose it: the answer re-plans it --
+        # the lane's backlog now counts that read, so the best case below would count it twice)
+        if (self.state == State.QUERYING and not self.sealed and not self.chunks
+                and not self._query_pays(e.now, self.query_asked_at)):
             self._seal(Status.COST, "cost")  # nothing the answer could bring would pay: end now
-            return self._maybe_finish()
+            return self._advance()  # (what the chunk read with the query landed is kept)
         if self.state != State.RUNNING or self.sealed:
             return []  # still querying (the answer re-plans) or already stopping
         return self._advance()

@@ -129,7 +129,7 @@ class SessionManager(Service):
         params = Params(policy, total, resident, chunk, c.window, deadline,
                         checkpoint_every=msg.get("checkpoint_every") or 0,
                         checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now),
-                        fixed_hit=bool(msg.get("fixed_hit")))
+                        fixed_hit=bool(msg.get("fixed_hit")), read_with_query=c.read_with_query and self.tier is not None)
         rec.machine = Session(params)
         self.records[key] = rec
         self.by_id[rec.id] = rec
@@ -138,6 +138,8 @@ class SessionManager(Service):
         if deadline is not None:
             self.host.call_at(deadline, self._deadline_due, rec.id)
         self._run(rec, rec.machine.handle(Start(now, eta_given=rec.eta is not None)))
+        if rec.machine.with_query >= 0:
+            self._counters["reads_with_query"] += 1  # (its first chunk is read with the L3 query)
         return self._view(rec)
 
     def op_demand(self, conn, msg) -> dict:

@@ -12,7 +12,7 @@ from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
 from ..helpers import file_l3_overrides, fill_l3, small_kv, wait_l3_idle, wait_terminal
-from ..waiting import wait_read_held, wait_until
+from ..waiting import wait_past_query, wait_read_held, wait_until
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 48  # blocks in the test chain
@@ -96,6 +96,45 @@ def test_best_effort_stops_on_demand_and_completes_when_queued(sidecar_factory, 
         books(c)
 
 
+@pytest.mark.parametrize("with_query", [True, False], ids=["read_with_query", "read_after_query"])
+def test_the_first_chunk_is_read_with_the_l3_query(sidecar_factory, instance, tmp_path, kv, l3_filled, with_query):
+    """``sessions.read_with_query``: the first chunk is claimed (its read sent) before the L3
+    query's answer, which takes 20 ms here; the hit is restored with its own bytes and the books
+    balance.  Off: nothing is claimed before the answer."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0, "sessions.read_with_query": with_query}))
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "a", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        p = wait_terminal(c, "a")
+        assert p["status"] == "complete" and p["prefix"] == N
+        events = c.client.call("poll", req="a", events=True)["events"]
+        first = {name: t for name, t, *_ in reversed(events)}  # (the first of each kind)
+        assert (first["claim"] < first["query"]) == with_query, events
+        assert get_and_check(c, l3_filled, "a", kv) == N
+        s = books(c)
+        assert s["sessions"].get("reads_with_query", 0) == int(with_query)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_a_miss_read_with_the_query_ends_the_session_at_its_answer(sidecar_factory, instance, tmp_path, read_gate):
+    """A chain L3 does not hold: the first chunk's read went out with the query and is held at the
+    read gate; the answer (no hit) ends the session at once, without waiting for that read,
+    which is taken back or left behind; once it ends nothing is left over."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 5.0}, **read_gate.overrides()))
+    with KVConnector(instance, LAY) as c:
+        miss = c.hasher.chain([7] * (4 * 8))
+        c.prefetch(miss, "m", policy="best_effort", chunk_max_blocks=4)
+        p = wait_terminal(c, "m")  # (the read gate is shut)
+        assert p["status"] == "no_hit" and p["prefix"] == 0
+        s = books(c)["sessions"]
+        assert s.get("reads_with_query") == 1
+        assert s.get("reads_with_query_withdrawn", 0) + s.get("reads_with_query_left", 0) == 1
+        read_gate.open()
+        wait_until(lambda: books(c), 10, "the read past the hit ended and left nothing over",
+                   until=lambda s: s["sessions"]["orphans"] == 0 and s["pool"]["staging"] == 0)
+        s = books(c)
+        assert s["pool"]["resident"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
 def test_a_poll_with_demand_is_a_demand_in_one_round_trip(sidecar_factory, instance, tmp_path, kv, l3_filled,
                                                             read_gate):
     """``poll(demand=True)``: the scheduler demands and checks a request in the same scan.  It
@@ -106,6 +145,7 @@ def test_a_poll_with_demand_is_a_demand_in_one_round_trip(sidecar_factory, insta
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
         wait_read_held(c)  # a chunk's read is in flight
+        wait_past_query(c, "a")
         assert c.poll("a", step=1)["state"] == "running"  # a plain poll does not stop it
         v = c.poll("a", step=2, demand=True)
         assert v["state"] == "draining"  # stopped by this very call: it waits for the held read
@@ -130,6 +170,7 @@ def test_a_demand_with_drain_s_hands_over_what_landed_and_leaves_its_reads_behin
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
         wait_read_held(c)  # a chunk's read is in flight
+        wait_past_query(c, "a")
         for bad in (-1.0, float("nan"), float("inf")):  # refused, typed; the session is untouched
             with pytest.raises(RemoteError) as err:
                 c.demand("a", drain_s=bad)
@@ -160,8 +201,11 @@ def test_a_poll_scan_is_the_schedulers_scan_in_one_round_trip(sidecar_factory, i
                                                                 read_gate):
     """``poll_scan``: each entry is exactly a ``poll`` (demand, the group's decision per request
     and step); with ``until_ready`` the scan stops after the first request ready to admit, so a
-    request behind it is neither polled nor demanded; a refused entry does not fail the scan."""
-    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}, **read_gate.overrides()))
+    request behind it is neither polled nor demanded; a refused entry does not fail the scan.
+    (b and c are still querying at the scan: none of their first chunk is read with the query,
+    which would await a's read in flight and take it over when a stops.)"""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0, "sessions.read_with_query": False},
+                                **read_gate.overrides()))
     with KVConnector(instance, LAY) as c:
         c.prefetch(l3_filled, "a", policy="best_effort", chunk_max_blocks=4)
         wait_read_held(c)  # a's chunk read is in flight: a is running

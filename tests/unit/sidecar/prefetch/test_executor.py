@@ -89,7 +89,9 @@ class Bench:
         bb = LAY.block_bytes
         limits = LimitsConfig(reserved_bytes_limit=reserved * bb, pinned_bytes_limit=pinned * bb)
         self.core = KVCore(self.loop, LAY, blocks, limits, clock=self.clock, checksums=False)  # no bytes here
-        self.cfg = SessionsConfig(**{"chunk_max_blocks": 4, "window": 2, "retained_ttl_s": 5.0, **sess})
+        # (the tests here script the query, then the claims; reading with the query has its own)
+        self.cfg = SessionsConfig(**{"chunk_max_blocks": 4, "window": 2, "retained_ttl_s": 5.0,
+                                     "read_with_query": False, **sess})
         self.holds: set = set()
         self.tier = HeldTier(self.loop, self.holds)
         self.sm = SessionManager(self.core, self.tier, self.cfg, clock=self.clock)
@@ -695,3 +697,75 @@ def test_shared_blocks_survive_the_owners_stop(stop):
     b.sm.op_abort(owner, {"req": "x"}) if stop != "client_gone" else None
     s = b.books()
     assert s["staging"] == 0 and s["orphans"] == 0 and s["pinned"] == 0
+
+
+# -- the first chunk read with the L3 query (sessions.read_with_query) ------------------------
+def test_read_with_query_reads_before_the_answer_and_completes():
+    b = Bench(read_with_query=True)
+    c = b.chain("a", 10)
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    assert len(b.tier.lookups) == 1 and len(b.tier.reads) == 1  # the read went out with the query
+    b.tier.finish(b.tier.reads[0])  # lands before the answer: nothing published yet
+    assert b.poll("r")["published"] == 0
+    b.tier.answer_lookups()
+    assert b.poll("r")["published"] == 4
+    b.tier.run_all()
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"], p["restored"]) == ("complete", 10, 10)
+    assert b.sm._counters["reads_with_query"] == 1
+    assert b.take("r", c) == 10
+    assert b.books() == {"staging": 0, "pinned": 0, "resident": 10, "free": 54, "leases": 0, "orphans": 0}
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_read_with_query_on_a_miss_is_taken_back_or_left_and_ends_at_once(started):
+    b = Bench(read_with_query=True)
+    c = b.chain("a", 8, in_l3=False)
+    b.prefetch("r", c, policy="best_effort")
+    (read,) = b.tier.reads
+    if started:
+        b.tier.start(read)
+    b.tier.answer_lookups()  # nothing in L3: the session does not wait for the read
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("no_hit", 0)
+    counters = b.sm._counters
+    if not started:
+        assert counters["reads_with_query_withdrawn"] == 1 and not b.tier.reads
+        assert b.books()["staging"] == 0
+    else:
+        assert counters["reads_with_query_left"] == 1 and b.books()["orphans"] == 1
+        b.tier.finish(read, ok=[False] * 4)  # its keys are not in L3: nothing lands
+    s = b.books()
+    assert (s["staging"], s["pinned"], s["resident"], s["orphans"], s["leases"]) == (0, 0, 0, 0, 0)
+
+
+def test_read_with_query_past_a_short_hit_publishes_the_hit_without_failing():
+    b = Bench(read_with_query=True)
+    c = b.chain("a", 8)
+    b.holds.difference_update({c[i * KEY:(i + 1) * KEY] for i in range(2, 8)})  # L3 holds 2 blocks
+    b.prefetch("r", c, policy="timeout", budget_s=30.0)
+    (read,) = b.tier.reads
+    b.tier.answer_lookups()
+    b.tier.finish(read)  # (what L3 holds: blocks 2 and 3 fail)
+    p = terminal(b, "r")
+    assert (p["status"], p["prefix"]) == ("complete", 2)
+    assert b.core.index.match(c) == 2
+    assert b.take("r", c) == 2
+    s = b.books()
+    assert (s["staging"], s["pinned"], s["resident"], s["leases"], s["orphans"]) == (0, 0, 2, 0, 0)
+
+
+def test_read_with_query_abort_before_the_answer_drains_the_read():
+    b = Bench(read_with_query=True)
+    c = b.chain("a", 8)
+    b.prefetch("r", c, policy="best_effort")
+    (read,) = b.tier.reads
+    b.tier.start(read)
+    b.sm.op_abort(b.conn, {"req": "r"})
+    assert b.poll("r")["state"] == "draining"
+    b.tier.answer_lookups()  # late: ignored
+    b.tier.finish(read)
+    p = terminal(b, "r")
+    assert p["status"] == "aborted"
+    s = b.books()
+    assert (s["staging"], s["pinned"], s["leases"], s["orphans"]) == (0, 0, 0, 0)

@@ -223,8 +223,8 @@ def test_checkpoints_bound_the_published_prefix():
 
 @settings(max_examples=400, deadline=None)
 @given(st.integers(1, 40), st.integers(0, 10), st.integers(1, 8), st.integers(1, 3),
-       st.sampled_from(list(Policy)), st.integers(0, 2**32), st.integers(0, 3))
-def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window, policy, seed, ckpt):
+       st.sampled_from(list(Policy)), st.integers(0, 2**32), st.integers(0, 3), st.booleans())
+def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window, policy, seed, ckpt, with_query):
     rng = random.Random(seed)
     resident = min(resident, total)
     cost = policy == Policy.COST_AWARE
@@ -237,10 +237,11 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
 
     deadline = rng.uniform(0, 3) if policy == Policy.TIMEOUT or (cost and rng.random() < 0.3) else None
     s = mk(policy, total=total, resident=resident, chunk=chunk, window=window,
-           deadline=deadline, checkpoint_every=ckpt, outlook=look(0.0))
+           deadline=deadline, checkpoint_every=ckpt, outlook=look(0.0), read_with_query=with_query)
     now = 0.0
     in_flight, resolved = {}, set()  # chunk id -> (start, count); ids done
     published_to = resident
+    hit_end = None  # where L3's hit ends, once the query answered a session still querying
     finishes = []
 
     def apply(actions):
@@ -255,6 +256,7 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
                 assert ok is not None, "published before its data landed"
                 assert start == published_to, "publication out of chain order"
                 assert all(ok[:a.count]) and a.count <= count
+                assert hit_end is None or start + a.count <= hit_end, "published past L3's hit"
                 published_to += a.count
                 resolved.add(a.chunk)
             elif isinstance(a, Drop):
@@ -264,7 +266,10 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
             elif isinstance(a, Detach):
                 start, count, ok = in_flight.pop(a.chunk)
                 assert ok is None, "detached after its read landed"
-                assert s.sealed and s.p.policy == Policy.COST_AWARE and a.chunk == s.probe_chunk
+                if a.withdraw:  # read with the query, wholly past the hit
+                    assert with_query and a.chunk == s.with_query and start >= hit_end
+                else:
+                    assert s.sealed and s.p.policy == Policy.COST_AWARE and a.chunk == s.probe_chunk
             elif isinstance(a, Finish):
                 finishes.append(a)
                 assert a.prefix <= published_to
@@ -279,7 +284,9 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
         r = rng.random()
         if s.state == State.QUERYING and (r < 0.5 or not queried):
             queried = True
-            apply(s.handle(QueryDone(rng.randint(0, total), now, look(now))))
+            hits = rng.randint(0, total)
+            hit_end = min(total, resident + hits)
+            apply(s.handle(QueryDone(hits, now, look(now))))
         elif r < 0.55:
             pending = [c for c, v in in_flight.items() if v[2] is None and c not in resolved]
             if pending:
@@ -313,6 +320,7 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
                     in_flight[cid] = (in_flight[cid][0], s.chunks[cid].count, None)
     # drive to the end: answer everything still in flight
     if s.state == State.QUERYING:
+        hit_end = resident
         apply(s.handle(QueryDone(0, now)))
     for cid in list(in_flight):
         if in_flight[cid][2] is None and cid not in resolved:
@@ -379,17 +387,17 @@ def test_abandoned_chunk_is_cut_from_the_result_like_a_withdrawn_one():
 #            Start QueryDone ClaimShort ChunkDone Withdrawn Abandoned Demand Replan Tick Abort
 EXPECTED_TABLE = {
     State.CREATED:  "L . . . . . L L L L",
-    State.QUERYING: ". L . . . . L L L L",
+    State.QUERYING: ". L L L . . L L L L",
     State.RUNNING:  ". . L L . . L L L L",
-    State.DRAINING: ". . L L L L L L L L",
+    State.DRAINING: ". i L L L L L L L L",
     State.TERMINAL: "i i . i . . i i i i",
 }
 
 
 def session_in(state: State) -> Session:
-    """A timeout session (8 blocks, chunks of 4, window 1) driven into ``state``; from RUNNING
-    on, chunk 0 (4 blocks) is in flight."""
-    s = mk(total=8, chunk=4, window=1)
+    """A timeout session (8 blocks, chunks of 4, window 1, reading with the query) driven into
+    ``state``; from QUERYING on (but TERMINAL), chunk 0 (4 blocks) is in flight."""
+    s = mk(total=8, chunk=4, window=1, read_with_query=state != State.TERMINAL)
     if state == State.CREATED:
         return s
     s.handle(Start(0))
@@ -443,3 +451,107 @@ def test_every_state_event_pair(state, kind):
             assert s.state == State.RUNNING and s.target == 8
         elif kind is Abort:
             assert s.status == Status.ABORTED
+
+
+# -- the first chunk read with the L3 query (read_with_query) ----------------------------------
+def test_read_with_query_claims_the_first_chunk_with_the_query_and_publishes_after_the_answer():
+    s = mk(total=10, resident=2, chunk=3, read_with_query=True)
+    assert s.handle(Start(0)) == [Query(2), Claim(0, 2, 3)]
+    assert s.state == State.QUERYING and s.target == 2  # (the view's target: the answer sets it)
+    assert s.handle(ChunkDone(0, [True] * 3, 0.5)) == []  # landed before the answer: nothing published yet
+    a = s.handle(QueryDone(8, 0.6))
+    assert a[0] == Publish(0, 3) and claims(a) == [Claim(1, 5, 3), Claim(2, 8, 2)]
+    s.handle(ChunkDone(1, [True] * 3, 1))
+    f = finish(s.handle(ChunkDone(2, [True] * 2, 1.1)))
+    assert f == Finish(Status.COMPLETE, 10, "")
+
+
+@pytest.mark.parametrize("landed_first", [True, False])
+def test_read_with_query_past_the_hit_is_dropped_not_a_failure(landed_first):
+    s = mk(total=10, chunk=4, read_with_query=True)
+    s.handle(Start(0))
+    out = []
+    if landed_first:
+        out += s.handle(ChunkDone(0, [True, True, False, False], 0.5))
+    out += s.handle(QueryDone(2, 0.6))  # L3 holds 2 blocks: the chunk's last two are past the hit
+    if not landed_first:
+        assert out == [] and s.state == State.RUNNING
+        out += s.handle(ChunkDone(0, [True, True, False, False], 0.7))
+    assert out[:2] == [Publish(0, 2), Drop(0, 2)]
+    assert finish(out) == Finish(Status.COMPLETE, 2, "") and not s.cut
+
+
+def test_read_with_query_failure_inside_the_hit_still_cuts():
+    s = mk(total=10, chunk=4, read_with_query=True)
+    s.handle(Start(0))
+    s.handle(QueryDone(3, 0.1))
+    out = s.handle(ChunkDone(0, [True, False, True, False], 0.5))
+    assert out[:2] == [Publish(0, 1), Drop(0, 1)]
+    assert finish(out) == Finish(Status.FAILED, 1, "block read failed")
+
+
+def test_read_with_query_wholly_past_the_hit_is_detached_and_the_session_ends():
+    s = mk(total=10, resident=4, chunk=4, read_with_query=True)
+    s.handle(Start(0))
+    out = s.handle(QueryDone(0, 0.1))  # nothing in L3: the chunk in flight is taken back / left
+    assert out == [Detach(0, withdraw=True), Finish(Status.NO_HIT, 4, "")]
+    assert s.state == State.TERMINAL and not s.chunks
+
+
+def test_read_with_query_landed_wholly_past_the_hit_is_dropped():
+    s = mk(total=10, chunk=4, read_with_query=True)
+    s.handle(Start(0))
+    s.handle(ChunkDone(0, [False] * 4, 0.5))
+    out = s.handle(QueryDone(0, 0.6))
+    assert out == [Drop(0, 0), Finish(Status.NO_HIT, 0, "")]
+
+
+def test_read_with_query_sealed_before_the_answer_drains_the_chunk_and_ignores_the_answer():
+    s = mk(Policy.BEST_EFFORT, total=10, chunk=4, read_with_query=True)
+    s.handle(Start(0))
+    assert s.handle(Demand(0.1)) == [] and s.state == State.DRAINING
+    assert s.handle(QueryDone(10, 0.2)) == []  # late: ignored
+    out = s.handle(ChunkDone(0, [True, True, True, False], 0.3))
+    assert out[:2] == [Publish(0, 3), Drop(0, 3)]  # what landed is published, in order
+    assert finish(out) == Finish(Status.DEMANDED, 3, "demand")
+
+
+def test_read_with_query_limit_before_the_answer_ends_with_what_it_has():
+    s = mk(total=10, resident=1, chunk=4, read_with_query=True)
+    s.handle(Start(0))
+    out = s.handle(ClaimShort(0, 0, 0.0))
+    assert finish(out) == Finish(Status.LIMIT, 1, "limit") and s.state == State.TERMINAL
+    assert s.handle(QueryDone(9, 0.1)) == []
+
+
+def test_read_with_query_not_for_wait_complete_nor_a_whole_resident_chain():
+    s = mk(Policy.WAIT_COMPLETE, total=10, chunk=4, read_with_query=True)
+    assert s.handle(Start(0)) == [Query(0)]
+    s = mk(total=4, resident=4, read_with_query=True)
+    assert finish(s.handle(Start(0))) == Finish(Status.COMPLETE, 4, "")
+
+
+def _cheap_l3(now=0.0, **kw):
+    """L3 far cheaper than prefill, measured: reading the whole chain pays."""
+    return Outlook(now + 1.0, 0.01, 0.001, 0.001, **kw)
+
+
+@pytest.mark.parametrize("fixed_hit", [False, True])
+def test_read_with_query_cost_aware_claims_what_its_plan_starts_with(fixed_hit):
+    s = mk(Policy.COST_AWARE, total=40, chunk=4, read_with_query=True, outlook=_cheap_l3(), fixed_hit=fixed_hit)
+    out = s.handle(Start(0, eta_given=True))
+    assert out[0] == Query(0) and len(claims(out)) == 1 and claims(out)[0].start == 0
+    n = claims(out)[0].count
+    assert n >= 4 and s.claimed_any and s.target == 0
+    s.handle(ChunkDone(0, [True] * n, 0.01))
+    out = s.handle(QueryDone(40, 0.02, _cheap_l3(0.02)))
+    assert out[0] == Publish(0, n)
+
+
+@pytest.mark.parametrize("outlook", [_cheap_l3(unmeasured=True, probe_blocks=2), _cheap_l3(probe_blocks=2),
+                                     Outlook(0.0, 0.001, 0.001, 0.05)],
+                         ids=["unmeasured", "probe", "dearer_than_prefill_no_queue"])
+def test_read_with_query_cost_aware_never_reads_a_probe_or_what_does_not_pay_before_the_answer(outlook):
+    s = mk(Policy.COST_AWARE, total=40, chunk=4, read_with_query=True, outlook=outlook)
+    out = s.handle(Start(0))
+    assert not claims(out) and s.state in (State.QUERYING, State.TERMINAL)
