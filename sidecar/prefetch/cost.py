@@ -172,12 +172,15 @@ def keep_admitted(o: Outlook, now: float, current_end: float, pending_blocks: in
     return pending_blocks * o.saving_per_block > current_end - max(o.eta, now)
 
 
-def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked_at: float | None = None) -> bool:
+def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked_at: float | None = None,
+                   read_with_query: bool = False) -> bool:
     """While the L3 query is out: could restoring some of the ``remaining`` blocks (all of them
     in L3, at best) still lower TTFT, once the query answered?  It answers ``query_s`` (as
     measured; one L3 read's latency while unmeasured) after it was sent (``asked_at``; None:
     now) — a query already out for a while answers sooner, and one overdue, about now.  False:
-    stop now, the prefill starts at ``max(eta, now)``."""
+    stop now, the prefill starts at ``max(eta, now)``.  ``read_with_query``: the reads start
+    now, beside the query (a block counts once both its read and the answer are in), not after
+    the answer."""
     if remaining <= 0:
         return False
     if o.probe_blocks:
@@ -186,15 +189,16 @@ def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked
         return False  # another session's probe is out: nothing is planned until it lands
     took = o.query_s if o.query_s > 0 else o.l3_latency_s
     answered = max(now, (now if asked_at is None else asked_at) + took)
+    reads_from = now if read_with_query else answered
     cap = max(1, chunk_size(o, chunk_max))
     plans = {remaining}
     if o.l3_s_per_block > 0:
-        fit = math.floor((o.eta - (answered + o.backlog_s + o.l3_latency_s)) / o.l3_s_per_block)
+        fit = math.floor((o.eta - (reads_from + o.backlog_s + o.l3_latency_s)) / o.l3_s_per_block)
         if 0 < fit < remaining:
             plans.add(fit)
     start_now = max(o.eta, now)
     for k in plans:
-        land = answered + o.backlog_s + -(-k // cap) * o.l3_latency_s + k * o.l3_s_per_block
+        land = max(answered, reads_from + o.backlog_s + -(-k // cap) * o.l3_latency_s + k * o.l3_s_per_block)
         if k * o.saving_per_block - (max(start_now, land) - start_now) > 0:
             return True
     return False

@@ -54,8 +54,9 @@ Guarantees (checked by the property tests):
   prefix.
 * ``read_with_query`` (not ``wait_complete``, whose hit is one claim): the first chunk is
   claimed with the L3 query, as if L3 held it (for ``cost_aware`` only where the measured
-  estimate says that chunk pays, never a probe), so a hit's first read does not wait one L3
-  round trip for the answer.  Nothing of it is published before the answer (a block that did
+  estimate says that chunk pays, never a probe, where a block's read costs at most half the
+  prefill it saves, and while the read lane's backlog is shorter than the query), so a hit's
+  first read does not wait one L3 round trip for the answer.  Nothing of it is published before the answer (a block that did
   not land may only be past the hit); the answer then fits it to the hit: blocks past it are
   dropped, not failures, and a chunk wholly past it still in flight is detached (``Detach``
   with ``withdraw``: taken back if its read has not started).
@@ -71,6 +72,11 @@ from kvsidecar.sidecar.prefetch.events import (  # noqa: F401 (the vocabulary, r
     Policy, State, Status, Query, Claim, Publish, Drop, Detach, Finish, Start, QueryDone, ClaimShort,
     ChunkDone, ChunkWithdrawn, ChunkAbandoned, Demand, Replan, Tick, Abort, IllegalEvent,
     IllegalTransition, LEGAL, IGNORED, EVENTS, TRANSITIONS)
+
+
+# cost_aware reads its first chunk with the L3 query only where a block's read costs at most this
+# share of the prefill it saves (see Session._reads_beside_query)
+CLEAR_SAVING = 0.5
 
 
 @dataclasses.dataclass
@@ -208,9 +214,11 @@ class Session:
 
     def _query_pays(self, now: float, asked_at: float | None = None) -> bool:
         """cost_aware: could the L3 query's answer lead to a read — one that lowers TTFT
-        (:func:`cost.worth_querying`), or, queued, the chunk read beyond the plan?"""
+        (:func:`cost.worth_querying`; at the start, with ``read_with_query``, the first read goes
+        out beside the query), or, queued, the chunk read beyond the plan?"""
         remaining, chunk = self.p.total - self.p.resident, self.p.chunk_max_blocks
-        if cost.worth_querying(self.outlook, now, remaining, chunk, asked_at):
+        beside = self.state == State.CREATED and self._reads_beside_query
+        if cost.worth_querying(self.outlook, now, remaining, chunk, asked_at, read_with_query=beside):
             return True
         return not self.p.fixed_hit and cost.queued_chunk(self.outlook, now, remaining, chunk) > 0
 
@@ -393,19 +401,37 @@ class Session:
         self.query_asked_at = e.now
         return [Query(self.p.resident)] + self._claim_with_query()
 
+    @property
+    def _reads_beside_query(self) -> bool:
+        """``read_with_query`` applies: not ``wait_complete`` (one claim).  For ``cost_aware`` only
+        on a measured estimate (never a probe), where restoring clearly pays per block (at most
+        half the prefill it saves: its reads are then what the request waits for; dearer, it
+        reads only what hides behind the queue, which gains nothing from starting a round trip
+        sooner -- measured under load, p50 1.04-1.08x -- and near break-even the round trip saved
+        is worth little while a read started early holds the shared lane: p90 1.2-1.3x measured
+        at L3/prefill 1 under load), and while the read lane's backlog is shorter than the query:
+        behind a longer one the read could not start before the answer anyway, and claimed early
+        it would only take its place in the lane ahead of the answer's plan (under a burst: a
+        request that then waits on a busy lane for a tail it would have recomputed)."""
+        p, o = self.p, self.outlook
+        if not p.read_with_query or p.policy == Policy.WAIT_COMPLETE:
+            return False
+        if p.policy != Policy.COST_AWARE:
+            return True
+        return (not (o.unmeasured or o.probe_blocks) and o.l3_s_per_block <= CLEAR_SAVING * o.saving_per_block
+                and o.backlog_s < (o.query_s or o.l3_latency_s))
+
     def _claim_with_query(self) -> list:
         """``read_with_query``: claim the first chunk now, as if L3 held it (the query's answer
         fits it to the hit).  ``cost_aware`` claims it only on a measured estimate, where its
         plan for the whole chain starts with it -- never a probe, which is planned on the answer."""
         p = self.p
-        if not p.read_with_query or p.policy == Policy.WAIT_COMPLETE:
+        if not self._reads_beside_query:
             return []
         remaining = p.total - p.resident
         n = min(p.chunk_max_blocks, remaining)
         if p.policy == Policy.COST_AWARE:
             o, now = self.outlook, self.now
-            if o.unmeasured or o.probe_blocks:
-                return []
             first = cost.next_claim(o, now, remaining, p.chunk_max_blocks, now, self.claimed_any)
             if not p.fixed_hit:
                 first = max(first, cost.queued_chunk(o, now, remaining, p.chunk_max_blocks))

@@ -94,6 +94,24 @@ def test_a_pool_hit_with_a_short_tail_does_not_wait_for_the_query():
     assert cost.worth_querying(ol(query_s=0.015), 0.0, remaining=32, chunk_max=8)
 
 
+def test_a_read_with_the_query_does_not_wait_for_its_answer():
+    """With the first read beside the query, a short tail pays where the query alone would eat
+    its saving: the blocks count once both the read and the answer are in."""
+    o = ol(query_s=0.015)
+    lat, per = o.l3_latency_s, o.l3_s_per_block
+    assert lat + 2 * per < 0.015 < 2 * o.saving_per_block  # (the read is in before the answer)
+    assert not cost.worth_querying(o, 0.0, remaining=2, chunk_max=8)
+    assert cost.worth_querying(o, 0.0, remaining=2, chunk_max=8, read_with_query=True)
+    # ... but never where the answer itself comes after the prefill could have run
+    assert not cost.worth_querying(ol(query_s=0.5), 0.0, remaining=2, chunk_max=8, read_with_query=True)
+    # the machine: the session started with the engine's ETA queries (and reads) with it, or ends at once
+    for with_query, queries in ((False, False), (True, True)):
+        s = Session(Params(Policy.COST_AWARE, 34, 32, 8, 2, None, outlook=o, read_with_query=with_query))
+        out = s.handle(Start(0.0, eta_given=True))
+        assert (s.state == State.QUERYING) == queries, out
+        assert bool([a for a in out if isinstance(a, Claim)]) == with_query
+
+
 def test_a_dearer_l3_with_no_queue_to_hide_behind_does_not_wait_for_the_query():
     assert not cost.worth_querying(ol(regime=SLOW), 0.0, remaining=100, chunk_max=8)
     # with the eta 0.2 s away some blocks land in its shadow: worth the answer

@@ -549,8 +549,10 @@ def test_read_with_query_cost_aware_claims_what_its_plan_starts_with(fixed_hit):
 
 
 @pytest.mark.parametrize("outlook", [_cheap_l3(unmeasured=True, probe_blocks=2), _cheap_l3(probe_blocks=2),
-                                     Outlook(0.0, 0.001, 0.001, 0.05)],
-                         ids=["unmeasured", "probe", "dearer_than_prefill_no_queue"])
+                                     Outlook(0.0, 0.001, 0.001, 0.05), Outlook(1.0, 0.001, 0.001, 0.05),
+                                     _cheap_l3(backlog_s=0.004, query_s=0.003)],
+                         ids=["unmeasured", "probe", "dearer_than_prefill_no_queue", "dearer_than_prefill_queued",
+                              "lane_busier_than_the_query"])
 def test_read_with_query_cost_aware_never_reads_a_probe_or_what_does_not_pay_before_the_answer(outlook):
     s = mk(Policy.COST_AWARE, total=40, chunk=4, read_with_query=True, outlook=outlook)
     out = s.handle(Start(0))
