@@ -187,16 +187,31 @@ class VirtualL3(FakeTier):
     def _reprioritised(self, r: FakeRead) -> None:
         heapq.heappush(self._queue, (r.priority, next(self._seq), r))  # the old entry is skipped
 
-    def _kick(self) -> None:
+    def _kick(self, woken: bool = True) -> None:
+        """Start the next read if the lane is free.  ``woken``: the lane was idle and a submit wakes
+        its thread, which takes the job up once the control thread lets it run (not so for the
+        next job of a lane that just finished one: its thread goes straight on)."""
         while self.busy is None and self._queue:
             _, _, r = heapq.heappop(self._queue)
             if r.state != "queued":
                 continue
-            r.state = "started"
-            held = sum(r.keys[i * KEY:(i + 1) * KEY] in self.holds for i in range(r.n))  # (as the shaped store:
-            seconds = self.p.l3_latency_s + held * self.true_s_per_block(self.loop.t)  # a missing key moves no bytes)
-            self.busy, self.busy_until = r, self.loop.t + seconds
-            self.loop.call_at(self.busy_until, self._finish, r, seconds)
+            pickup = getattr(self.p, "lane_pickup_s", 0.0) if woken else 0.0
+            if pickup > 0:
+                self.busy, self.busy_until = r, self.loop.t + pickup
+                self.loop.call_at(self.busy_until, self._start, r)
+                return
+            self._start(r)
+
+    def _start(self, r: FakeRead) -> None:
+        if r.state != "queued":  # withdrawn before the lane took it up (the real job's cancel wins too)
+            self.busy = None
+            self._kick()
+            return
+        r.state = "started"
+        held = sum(r.keys[i * KEY:(i + 1) * KEY] in self.holds for i in range(r.n))  # (as the shaped store:
+        seconds = self.p.l3_latency_s + held * self.true_s_per_block(self.loop.t)  # a missing key moves no bytes)
+        self.busy, self.busy_until = r, self.loop.t + seconds
+        self.loop.call_at(self.busy_until, self._finish, r, seconds)
 
     def _finish(self, r: FakeRead, seconds: float) -> None:
         self.busy = None
@@ -209,7 +224,7 @@ class VirtualL3(FakeTier):
             self.cost.observe(r.n, seconds)  # as the real tier: only a read that landed whole
         self.estimates.append((self.loop.t, self.true_s_per_block(self.loop.t - seconds),
                                self.cost.estimate().s_per_block))
-        self._kick()
+        self._kick(woken=False)
 
     def read_outlook(self, priority=QUEUED) -> ReadOutlook:
         est = self.cost.estimate()

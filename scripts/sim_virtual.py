@@ -86,6 +86,10 @@ class SimParams:
     skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
     calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
     read_with_query: bool = True  # sessions.read_with_query: the first chunk is read with the L3 query
+    # the read lane's thread takes a job up only once the control thread has finished its batch
+    # (the GIL): a read withdrawn within that time never starts (real timelines: a read claimed with
+    # the query and withdrawn by a demand 0.1 ms later had not started)
+    lane_pickup_s: float = 0.0003
 
     @property
     def l3_s_per_block(self) -> float:
