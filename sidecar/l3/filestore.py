@@ -59,7 +59,8 @@ class FileStore(L3Backend):
             self.total += size
 
     def _path(self, key: str) -> str:
-        safe = key.replace("/", "_")
+        # (a NUL is the one other byte a file name cannot hold: a client's namespace may carry one)
+        safe = key.replace("/", "_").replace("\x00", "%00")
         return os.path.join(self.dir, safe[-2:], safe)
 
     def exists(self, keys):

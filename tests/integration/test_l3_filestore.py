@@ -50,6 +50,22 @@ def test_write_read_exists_and_integrity(tmp_path):
     assert fs.total == 0
 
 
+def test_a_key_with_a_nul_or_a_long_name_is_a_block_like_any_other_or_a_miss(tmp_path):
+    """A client's namespace is part of the key and may hold a NUL (the protocol fuzz sends one)
+    or be longer than a file name: such a key is written and read back, or fails as a miss --
+    never an exception out of the store (a read with the L3 query reaches it before any answer)."""
+    fs = FileStore(str(tmp_path / "l3"))
+    src, sa = buf(2048)
+    ctypes.memmove(sa, os.urandom(2048), 2048)
+    nul, long = "kvs2/ab/\x00/k1", "kvs2/ab/" + "a" * 300 + "/k1"
+    assert fs.read([nul, long], [sa, sa], 2048) == [False, False]  # nothing there yet
+    assert fs.write([nul], [sa], 2048) == [True]
+    assert fs.exists([nul, long]) == [True, False]
+    dst, da = buf(2048)
+    assert fs.read([nul], [da], 2048) == [True] and dst.raw == src.raw
+    assert fs.write([long], [sa], 2048) == [False] and fs.read([long], [da], 2048) == [False]
+
+
 def test_size_cap_evicts_lru(tmp_path):
     fs = FileStore(str(tmp_path / "l3"), cap_bytes=5 * (1024 + 40))  # 40: the header
     _, sa = buf(1024)

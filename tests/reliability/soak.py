@@ -267,9 +267,12 @@ def run(instance: str, l3_dir: str, *, target_evictions: int, workers: int = 3, 
     }
 
 
-def p99_ratio(result: dict, kind: str = "store") -> float:
+def p99_ratio(result: dict, kind: str = "store", reference_tenths: int = 1) -> float:
+    """The last tenth's p99 over the first one's, or over the median of the first
+    ``reference_tenths`` tenths' p99s."""
     t = result["tenths"][kind]
-    return t[-1]["p99_us"] / max(t[0]["p99_us"], 1e-9)
+    ref = sorted(x["p99_us"] for x in t[:reference_tenths])[(reference_tenths - 1) // 2]
+    return t[-1]["p99_us"] / max(ref, 1e-9)
 
 
 def table(result: dict) -> str:

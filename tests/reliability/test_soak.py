@@ -37,9 +37,13 @@ def _soak(sidecar_factory, instance, tmp_path, evictions: int) -> dict:
 
 def test_soak_bounded(sidecar_factory, instance, tmp_path):
     r = _soak(sidecar_factory, instance, tmp_path, 100_000)
-    # An O(n) degradation (the old tombstone table) shows as 10x and more; this bound only
-    # catches that on a noisy shared machine.  The slow run checks the real 1.5x target.
-    assert soak.p99_ratio(r, "store") < 4.0 and soak.p99_ratio(r, "get") < 4.0
+    # An O(n) degradation (the old tombstone table) shows as 10x and more against the first
+    # tenth (5x and more against the median of the first three); this bound only catches that on
+    # a noisy shared machine.  The reference is the median of the first three tenths: in the
+    # first one L3 holds nothing yet, so no read lands beside a GET, and its p99 alone swung
+    # 0.17-4.0 ms between runs of the same code (a get ratio of 12.8 in one CI run, 0.3-0.7 in
+    # others).  The slow run checks the real 1.5x target against the first tenth.
+    assert soak.p99_ratio(r, "store", 3) < 4.0 and soak.p99_ratio(r, "get", 3) < 4.0
     assert r["rss_end_kib"] <= 1.10 * r["rss_warm_kib"]
 
 
