@@ -107,9 +107,12 @@ def test_check_queue_is_the_scan_stopping_at_the_first_ready_request(sidecar_fac
     prefetching is ready without asking, and the scan stops there: a request behind it is not
     demanded (it keeps reading); a demanded one stops; the first ready one is returned with what
     it restores, and every prefetch answer is taken."""
-    from ..waiting import wait_past_query, wait_read_held
+    from ..waiting import wait_read_held
 
-    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0}, **read_gate.overrides()))
+    # (the warm-up serve must make no L3 read that the shut gate would hold: its miss is not
+    # read with its query here, so the one held read is q0's)
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0, "sessions.read_with_query": False},
+                                **read_gate.overrides()))
     ad = make_adapter(instance, policy="best_effort")
     assert ad.start()
     assert serve(ad, "warm", TOKS, 1) == 0  # computed and stored (no L3 read: the gate stays shut)
@@ -117,7 +120,6 @@ def test_check_queue_is_the_scan_stopping_at_the_first_ready_request(sidecar_fac
     ad.conn.flush()
     ad.on_queue_entry("q0", TOKS)
     wait_read_held(ad.conn)  # q0 reads from L3
-    wait_past_query(ad.conn, "q0")
     assert ad.check_queue([("absent", None, True), ("q0", 0.1, True)], 5) == (0, 0)
     assert ad.conn.poll("q0")["state"] == "running"  # behind the ready one: not demanded
     assert ad.check_queue([("q0", 0.1, False)], 6) == (None, 0)  # asked, not ready, still reading
@@ -189,7 +191,9 @@ def test_wait_for_queue_is_woken_when_the_first_prefetching_request_ends(sidecar
     deadline), and at once (False) when nothing queued is prefetching."""
     from ..waiting import wait_read_held
 
-    sidecar_factory(**overrides(tmp_path, **read_gate.overrides()))
+    # (the warm-up serve must make no L3 read that the shut gate would hold: its miss is not
+    # read with its query here, so the one held read is q0's)
+    sidecar_factory(**overrides(tmp_path, **{"sessions.read_with_query": False}, **read_gate.overrides()))
     ad = make_adapter(instance, policy="best_effort")
     assert ad.start()
     assert serve(ad, "warm", TOKS, 1) == 0

@@ -13,6 +13,7 @@ from kvsidecar.shm.layout import KVLayout
 
 from .. import procs
 from ..helpers import file_l3_overrides, fill_l3, small_kv, wait_terminal, wait_until
+from ..waiting import wait_past_query
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 24
@@ -40,6 +41,7 @@ def test_books_balance_while_sessions_are_in_flight_and_a_stuck_read_is_left_beh
         # wait (bounded) until the first chunk is staged and its read started (is on the lane,
         # not queued: a queued read would be withdrawn by the abort, not left behind)
         wait_until(lambda: c.stats()["l3"]["read"]["busy"], 10.0, "the first read in flight")
+        wait_past_query(c, "r")  # (its first chunk is read with the query: the answer may come later)
         s = c.stats(check=True)
         assert s["invariants"] == "", s["invariants"]
         assert s["sessions"]["by_state"] == {"running": 1} and s["pool"]["staging"] > 0
