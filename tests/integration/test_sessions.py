@@ -119,7 +119,8 @@ def test_a_miss_read_with_the_query_ends_the_session_at_its_answer(sidecar_facto
     """A chain L3 does not hold: the first chunk's read went out with the query and is held at the
     read gate; the answer (no hit) ends the session at once, without waiting for that read,
     which is taken back or left behind; once it ends nothing is left over."""
-    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 5.0}, **read_gate.overrides()))
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 5.0, "sessions.read_with_query": True},
+                                **read_gate.overrides()))
     with KVConnector(instance, LAY) as c:
         miss = c.hasher.chain([7] * (4 * 8))
         c.prefetch(miss, "m", policy="best_effort", chunk_max_blocks=4)
