@@ -57,6 +57,20 @@ class DecisionBook:
         self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s, question)
         self._expiry.push(now + self.ttl_s, key)
 
+    def skip(self, group: str, op: str, req, attempt, rank: int) -> list:
+        """``rank`` will never read the records of ``(group, op, req, attempt)`` it has not read
+        yet (it is done with the request): count it as a reader of each (a record every rank
+        has read goes); returns those records.  O(records): live records are the steps in
+        flight, and a request ends once."""
+        out = []
+        for key, rec in list(self.records.items()):
+            if key[:4] == (group, op, req, attempt) and rank not in rec.readers:
+                rec.readers.add(rank)
+                if len(rec.readers) >= rec.group_size:
+                    del self.records[key]
+                out.append(rec)
+        return out
+
     def forget_group(self, group: str) -> int:
         """Drop every record of ``group`` (its last rank left); returns how many."""
         gone = [key for key in self.records if key[0] == group]

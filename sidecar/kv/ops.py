@@ -19,6 +19,7 @@ from kvsidecar.shm.layout import KVLayout
 
 from kvsidecar.sidecar.kv.decisions import DecisionBook
 from kvsidecar.sidecar.kv.leases import LeaseError
+from kvsidecar.sidecar.kv.request_ends import RequestEnds
 from kvsidecar.sidecar.kv.state import KVState
 from kvsidecar.sidecar.service import Host, OpError, Service
 from kvsidecar.sidecar.kv.admission import Refusal
@@ -54,6 +55,7 @@ class KVCore(Service):
         self.pool = state.pool  # also owns prefetch sessions' block state (holds, plans, results)
         self.staging = state.staging
         self.decisions = DecisionBook(limits.decision_ttl_s)
+        self.request_ends = RequestEnds(limits.decision_ttl_s)  # ranks done with a request
         # one XXH3-64 per (block, shard), written by the block's writer (integrity.checksums)
         self.sums = state.sums
         self._reaper_due = float("inf")
@@ -85,6 +87,26 @@ class KVCore(Service):
         """Ranks that hold a share of a group lease made now: the group minus departed ranks."""
         info = conn.info
         return set(range(info.group_size)) - self.departed.get(info.group, set())
+
+    def request_ended(self, conn, req, attempt) -> None:
+        """``conn``'s rank is done with the request (its engine ended it): no group GET share is
+        kept for it from now on, and the shares of earlier decisions it has not received are
+        given up (``kvsidecar.sidecar.kv.request_ends``)."""
+        info = conn.info
+        if info is None or info.group_size <= 1:
+            return
+        now = self.clock()
+        self.request_ends.end((info.group, req, attempt), info.rank, now)
+        self.arm_reaper(self.request_ends.next_expiry())
+        for rec in self.decisions.skip(info.group, "get", req, attempt, info.rank):
+            lease = rec.result.get("lease")
+            if lease and self.leases.release(lease, None, info.group, info.rank):
+                self.host.counters["get_shares_given_up"] += 1
+
+    def request_started(self, conn, req, attempt) -> None:
+        """``conn``'s rank prefetches the request (again): its GETs are answered again."""
+        if conn.info is not None:
+            self.request_ends.start((conn.info.group, req, attempt), conn.info.rank)
 
     @staticmethod
     def _owner(conn) -> tuple:
@@ -180,9 +202,11 @@ class KVCore(Service):
         expired = self.leases.reap(now)
         aborted = self.staging.reap(now)
         self.decisions.expire(now)
+        self.request_ends.expire(now)
         if expired or aborted:
             log.info("reaper: %d leases expired, %d stagings aborted", expired, aborted)
-        for due in (self.leases.next_deadline(), self.staging.next_deadline(), self.decisions.next_expiry()):
+        for due in (self.leases.next_deadline(), self.staging.next_deadline(), self.decisions.next_expiry(),
+                    self.request_ends.next_expiry()):
             self.arm_reaper(due)
 
     def client_gone(self, conn) -> None:
@@ -209,6 +233,7 @@ class KVCore(Service):
             # and its decisions: a new incarnation (an engine restarted under the same group
             # name) reuses request ids and steps, and must never be answered from the old one
             self.decisions.forget_group(info.group)
+            self.request_ends.forget_group(info.group)
 
     # -- ops ------------------------------------------------------------------------------------
     def op_lookup(self, conn, msg) -> dict:
@@ -223,6 +248,14 @@ class KVCore(Service):
         return self.decided(conn, "lookup", msg, compute)
 
     def op_get(self, conn, msg) -> dict:
+        req = msg.get("req")
+        ended = frozenset()
+        if req is not None and conn.info.group_size > 1:
+            ended = self.request_ends.ended((conn.info.group, req, msg.get("attempt", 0)))
+            if conn.info.rank in ended:  # its I/O thread raced its scheduler's end: nothing to copy
+                self.host.counters["gets_after_end"] += 1
+                return {"lease": 0, "blocks": b"", "count": 0, "ended": True}
+
         def compute(grouped: bool) -> dict:
             chain = msg["chain"]
             limit = msg.get("max_blocks")
@@ -237,7 +270,7 @@ class KVCore(Service):
             self.index.touch(blocks)
             if grouped:
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
-                                        group=conn.info.group, holders=self.group_holders(conn))
+                                        group=conn.info.group, holders=self.group_holders(conn) - ended)
             else:
                 lease = self.leases.new(blocks, ttl_s=self.limits.lease_ttl_s, now=now, kind="get",
                                         owner=self._owner(conn))
@@ -248,7 +281,7 @@ class KVCore(Service):
         self.host.counters["get_blocks"] += result["count"]  # leased to this rank (its shard is copied)
         if self.sums is not None and result["count"]:  # this rank's column: its blocks are pinned
             result["sums"] = self.sums.column(result["blocks"], self.layout.shard_of(conn.info.rank))
-        if msg.get("req") is not None:  # the request's prefetch result is no longer needed (its
+        if req is not None:  # the request's prefetch result is no longer needed (its
             # pins moved to this GET's lease above, in the same control-thread step)
             self.pool.hand_off((conn.info.group, msg["req"], msg.get("attempt", 0)))
         return result

@@ -93,6 +93,7 @@ class SessionManager(Service):
 
     def op_prefetch(self, conn, msg) -> dict:
         key = self._key(conn, msg)
+        self.core.request_started(conn, key[1], key[2])
         rec = self.records.get(key)
         if rec is not None:  # another rank (or a retry) of the same request: one session
             if rec.chain != msg["chain"]:
@@ -175,7 +176,9 @@ class SessionManager(Service):
         self._run(rec, rec.machine.handle(Demand(now, self._outlook(rec, now), admitted=admitted)))
 
     def op_abort(self, conn, msg) -> dict:
-        rec = self.records.get(self._key(conn, msg))
+        key = self._key(conn, msg)
+        self.core.request_ended(conn, key[1], key[2])  # (a GET share kept for this rank goes)
+        rec = self.records.get(key)
         if rec is None:
             return {"state": "unknown"}  # idempotent: nothing to abort
         self._trigger(rec, "abort")

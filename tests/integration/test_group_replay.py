@@ -303,3 +303,88 @@ def test_a_scan_lease_is_the_groups_get_and_follows_the_same_replay_rule(sidecar
     assert (late.count, late.stale) == (0, True), loaded_values(r1, late)
     assert counters(r0)["counters"]["decisions_stale"] == 1
     release_check_detach([], (r0, r1, *h))
+
+
+# -- a rank whose engine ended the request (SGLang's terminate_prefetch: each rank's I/O thread
+# stops between batches, and which batch is a race between ranks) ------------------------------
+def _ended_setup(sidecar_factory, instance):
+    sidecar_factory(**overrides(2 * N))
+    r0, r1 = rank(instance, 0), rank(instance, 1)
+    store_group([r0, r1], 1, 1.0, "store-A")
+    return r0, r1, r0.hasher.chain(tokens(1))
+
+
+def test_a_get_after_the_rank_ended_the_request_holds_no_share_for_it(sidecar_factory, instance):
+    """Rank 1 ended the request, then rank 0's I/O thread takes the next batch: the lease holds
+    no share for rank 1 (which will never release one), so rank 0's release empties the books;
+    rank 1's own late GET of that batch is a miss."""
+    r0, r1, chain = _ended_setup(sidecar_factory, instance)
+    assert r1.abort("r")["state"] == "unknown"  # (no session: the rank is done with it all the same)
+    lease = r0.get(chain, req="r", step=4)
+    assert lease.count == N and loaded_values(r0, lease) == {1.0}
+    late = r1.get(chain, req="r", step=4)
+    assert late.count == 0 and r1.release(late) is False
+    r0.release(lease)
+    s = counters(r0)
+    assert s["counters"]["gets_after_end"] == 1
+    release_check_detach([], (r0, r1))
+
+
+def test_a_rank_ending_before_it_reads_the_decision_gives_its_share_up(sidecar_factory, instance):
+    """Rank 0 decided the batch with a share for rank 1; rank 1 ends the request before it asks:
+    its share goes at once (not at the lease's TTL), and a GET it still sends is a miss."""
+    r0, r1, chain = _ended_setup(sidecar_factory, instance)
+    lease = r0.get(chain, req="r", step=4)
+    r1.abort("r")
+    assert r0.release(lease) is True
+    assert counters(r0)["counters"]["get_shares_given_up"] == 1
+    books_clean(counters(r0))  # (before: N blocks pinned for rank 1 until lease_ttl_s)
+    late = r1.get(chain, req="r", step=4)
+    assert late.count == 0 and not late.stale
+    release_check_detach([], (r0, r1))
+
+
+def test_a_rank_that_received_its_share_keeps_it_through_its_end(sidecar_factory, instance):
+    """Rank 1's scheduler ends the request while its I/O thread still copies the batch it got:
+    the blocks stay pinned for it until it releases, and it copies the right bytes."""
+    r0, r1, chain = _ended_setup(sidecar_factory, instance)
+    lease = r0.get(chain, req="r", step=4)
+    mine = r1.get(chain, req="r", step=4)
+    assert mine.count == N
+    r1.abort("r")
+    r0.release(lease)
+    assert r0.flush() == 0 and r0.stats()["pool"]["pinned"] == N
+    assert loaded_values(r1, mine) == {1.0}
+    assert r1.release(mine) is True
+    assert counters(r0)["counters"].get("get_shares_given_up", 0) == 0
+    release_check_detach([], (r0, r1))
+
+
+def test_a_new_prefetch_of_the_request_lifts_the_end(sidecar_factory, instance):
+    """A rank that ended the request and prefetches it again (a retry under the same id and
+    attempt) is answered again: its GETs hold shares as before."""
+    r0, r1, chain = _ended_setup(sidecar_factory, instance)
+    r1.abort("r")
+    r1.prefetch(chain, "r", policy="timeout")
+    lease = r0.get(chain, req="r", step=8)
+    mine = r1.get(chain, req="r", step=8)
+    assert (lease.count, mine.count) == (N, N) and loaded_values(r1, mine) == {1.0}
+    r1.abort("r")  # (the session: its result lease goes)
+    release_check_detach([(r0, lease), (r1, mine)], (r0, r1))
+
+
+def test_another_groups_end_and_another_attempt_are_not_this_ones(sidecar_factory, instance):
+    """The mark is per (group, request, attempt): rank 1 of group h ending ``r``, or rank 1 of g
+    ending attempt 1, leaves g's attempt 0 as it was (rank 1's share held, its GET answered)."""
+    r0, r1, chain = _ended_setup(sidecar_factory, instance)
+    h1 = rank(instance, 1, "h")
+    h1.abort("r")
+    r1.abort("r", attempt=1)
+    lease = r0.get(chain, req="r", step=2)
+    r0.release(lease)
+    assert r0.stats()["pool"]["pinned"] == N  # rank 1's share of g's attempt 0 still held
+    mine = r1.get(chain, req="r", step=2)
+    assert mine.count == N and loaded_values(r1, mine) == {1.0}
+    r1.release(mine)
+    h1.detach()
+    release_check_detach([], (r0, r1))

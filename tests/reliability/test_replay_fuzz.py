@@ -1,6 +1,7 @@
 """Fuzzed replays (DESIGN §6): a TP=2 group whose ranks leave, come back, die holding decisions
-and restart as a new incarnation under the same name, replaying stale ``(req, step)`` keys and
-releasing other incarnations' lease ids, while another engine reuses every freed block.
+and restart as a new incarnation under the same name, replaying stale ``(req, step)`` keys,
+releasing other incarnations' lease ids and ending requests (each rank on its own), while
+another engine reuses every freed block.
 
 Hypothesis draws the sequence.  Every GET a rank receives is loaded with ``verify_loads="all"``
 and compared page by page with the KV of the chain it asked for: a block id not backed by a
@@ -101,6 +102,13 @@ class World:
             except RemoteError as exc:
                 assert exc.code_name in ("NOT_OWNER", "UNKNOWN_ID"), exc
 
+    def end(self, rank, req):
+        """Rank ``rank``'s engine ends request ``req`` (SGLang's terminate): its shares of the
+        request's GETs it has not received go, and its own later GETs of it are misses."""
+        c = self.g[rank]
+        if c.pool is not None:
+            c.abort(f"r{req}")
+
     def leave(self, rank):
         c = self.g[rank]
         if c.pool is not None:
@@ -161,6 +169,7 @@ actions = st.lists(st.one_of(
     st.tuples(st.just("get"), st.integers(0, 1), st.integers(0, 2), st.integers(0, 3), st.integers(0, 3)),
     st.tuples(st.just("release"), st.integers(0, 7)),
     st.tuples(st.just("release_old"), st.integers(0, 1), st.integers(0, 7)),
+    st.tuples(st.just("end"), st.integers(0, 1), st.integers(0, 2)),
     st.tuples(st.just("leave"), st.integers(0, 1)),
     st.tuples(st.just("come_back"), st.integers(0, 1)),
     st.tuples(st.just("restart_group")),

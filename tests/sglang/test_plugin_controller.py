@@ -44,7 +44,7 @@ def sidecar_overrides(tmp_path):
     lay = layout_for_host_pool(host, "tiny-llama", False, tp_size=W.TP)  # one group: shard r = rank r's page
     d = {f"layout.{k}": v for k, v in lay.as_dict().items()}
     d.update({"pool.num_blocks": 512, "l3.file_dir": str(tmp_path / "l3"), "l3.latency_ms": 60.0,
-              "sessions.window": WINDOW})
+              "sessions.window": WINDOW, "sessions.read_with_query": True})
     return d
 
 
