@@ -85,7 +85,7 @@ class SimParams:
     turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
     skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
     calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
-    read_with_query: bool = False  # sessions.read_with_query (the sidecar's default: off)
+    read_with_query: bool = True  # sessions.read_with_query (the sidecar's default: on)
     # the read lane's thread takes a job up only once the control thread has finished its batch
     # (the GIL): a read withdrawn within that time never starts (real timelines: a read claimed with
     # the query and withdrawn by a demand 0.1 ms later had not started)

