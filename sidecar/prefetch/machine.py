@@ -8,7 +8,8 @@ type) → ``LEGAL`` or ``IGNORED``); a pair not in it raises :class:`IllegalTran
 :class:`IllegalEvent`), as does a legal pair whose data cannot be (a chunk not in flight).  The control thread
 (``kvsidecar.sidecar.prefetch.sessions``) feeds events and its executor
 (``kvsidecar.sidecar.prefetch.executor``) carries out the actions.  Positions are block
-indices in the request's chain.
+indices in the request's chain.  ``cost_aware``'s rules (when to claim, what a stop keeps,
+whether a query can pay) are a mixin of their own, :mod:`kvsidecar.sidecar.prefetch.machine_cost`.
 
 ::
 
@@ -66,17 +67,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvsidecar.sidecar.prefetch import cost
 from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.machine_cost import CLEAR_SAVING, CostRules  # noqa: F401 (re-exported)
 from kvsidecar.sidecar.prefetch.events import (  # noqa: F401 (the vocabulary, re-exported)
     Policy, State, Status, Query, Claim, Publish, Drop, Detach, Finish, Start, QueryDone, ClaimShort,
     ChunkDone, ChunkWithdrawn, ChunkAbandoned, Demand, Replan, Tick, Abort, IllegalEvent,
     IllegalTransition, LEGAL, IGNORED, EVENTS, TRANSITIONS)
-
-
-# cost_aware reads its first chunk with the L3 query only where a block's read costs at most this
-# share of the prefill it saves (see Session._reads_beside_query)
-CLEAR_SAVING = 0.5
 
 
 @dataclasses.dataclass
@@ -107,7 +103,7 @@ class Params:
     read_with_query: bool = False
 
 
-class Session:
+class Session(CostRules):
     def __init__(self, params: Params):
         p = params
         if p.policy == Policy.WAIT_COMPLETE:
@@ -128,19 +124,8 @@ class Session:
         self.sealed = False
         self.cut = False  # a block failed: nothing after it can be published
         self.prefix = None
-        # cost_aware bookkeeping
-        self.outlook = p.outlook
         self.now = 0.0  # the clock of the event being handled
-        self.query_asked_at: float | None = None  # when the L3 existence query was sent
-        self.expected_end = 0.0  # when what is claimed is expected to land
-        self.queued_s = 0.0  # read time claimed since the outlook was taken (not in its backlog)
-        self.claimed_any = False
-        self.probe_deadline = 0.0  # a candidate waits for its probe until then (see probe_wake_at)
-        self.probe_chunk = -1  # the first claim was a probe (read for the estimate: planned on the prior, or no gain)
-        self.plan_end = p.resident  # where the last cost decision meant to restore to (``planned``)
-        self.plan_claimed = p.resident  # the end of what was claimed as part of a plan
-        self.keep_admitted = False  # after the seal: chunks already claimed are still read
-        self.hit_cap: int | None = None  # fixed_hit: the hit the engine was told (nothing is read past it)
+        self._init_cost(p)  # cost_aware's bookkeeping (machine_cost)
         self.with_query = -1  # the chunk claimed with the L3 query (read_with_query), or -1
 
     # -- helpers --------------------------------------------------------------------------------
@@ -212,52 +197,6 @@ class Session:
                 return out + self._detach_probe()  # claimed for the estimate, not for this request
         return out
 
-    def _query_pays(self, now: float, asked_at: float | None = None) -> bool:
-        """cost_aware: could the L3 query's answer lead to a read — one that lowers TTFT
-        (:func:`cost.worth_querying`; at the start, with ``read_with_query``, the first read goes
-        out beside the query), or, queued, the chunk read beyond the plan?"""
-        remaining, chunk = self.p.total - self.p.resident, self.p.chunk_max_blocks
-        beside = self.state == State.CREATED and self._reads_beside_query
-        if cost.worth_querying(self.outlook, now, remaining, chunk, asked_at, read_with_query=beside):
-            return True
-        return not self.p.fixed_hit and cost.queued_chunk(self.outlook, now, remaining, chunk) > 0
-
-    def _awaits_evidence(self, o: Outlook) -> bool:
-        """cost_aware, queued, nothing claimed: while no read has measured L3 (another session's
-        probe is out) the session neither plans on the prior nor gives up its queue time; it
-        stays open for the Replan the measurement brings.  A scheduling candidate does not wait."""
-        return o.unmeasured and not o.probe_blocks and not self.claimed_any and o.eta > self.now
-
-    @property
-    def awaiting_evidence(self) -> bool:
-        """Open only for an L3 measurement (the session manager re-plans it when one lands)."""
-        return (self.p.policy == Policy.COST_AWARE and self.state == State.RUNNING and not self.sealed
-                and not self.chunks and self.next_pos < self.target and self._awaits_evidence(self.outlook))
-
-    def _probe_holds_candidate(self) -> bool:
-        """cost_aware: the probe is in flight past the time a probe that pays would have landed
-        (``probe_deadline``: its blocks' prefill time), and the request's prefill could start now."""
-        return (self.chunk_pending(self.probe_chunk) and self.outlook.eta <= self.now
-                and self.now >= self.probe_deadline)
-
-    @property
-    def probe_wake_at(self) -> float | None:
-        """When a re-plan must come (a timer of the caller's) so that a scheduling candidate
-        stops waiting for a probe that does not pay: None when no probe is pending."""
-        if self.p.policy != Policy.COST_AWARE or self.sealed or not self.chunk_pending(self.probe_chunk):
-            return None
-        return self.probe_deadline
-
-    def _detach_probe(self) -> list:
-        """Let the probe's read go on without the session (it was claimed for the estimator, and a
-        scheduling candidate must not wait for it), and stop: nothing is planned on the prior,
-        and blocks after the probe could not be published in order without it."""
-        c = self.chunks.pop(self.probe_chunk)
-        self.next_pos = c.start
-        self._seal(Status.COST, "cost")
-        self.keep_admitted = False
-        return [Detach(c.id)]
-
     def _advance(self) -> list:
         """Publish what is publishable in order, drop what a cut strands, maybe finish."""
         out = []
@@ -288,58 +227,6 @@ class Session:
         out += self._claims()
         out += self._maybe_finish()
         return out
-
-    def _cost_claim(self, commit: bool) -> int:
-        """cost_aware: the next chunk's size, or 0 (after sealing with Status.COST when the
-        next chunk would not pay; without sealing when it would but the window is full)."""
-        o, now = self.outlook, self.now
-        if self.chunk_pending(self.probe_chunk):
-            return 0  # a probe is out: decide once its read has measured L3
-        # what is in flight lands at the later of the estimate made when it was claimed and the
-        # lane's current backlog (which counts this session's own reads, last among equals)
-        current_end = max(self.expected_end, now + o.backlog_s) if self.in_flight else now
-        end = self.target if self.hit_cap is None else min(self.target, self.hit_cap)
-        planned = cost.plan(o, now, end - self.next_pos, self.p.chunk_max_blocks, current_end,
-                            self.claimed_any, self.queued_s)
-        # (a plan of nothing more ends where the plan's claims end: not at a chunk read beyond it)
-        self.plan_end = self.next_pos + planned if planned else self.plan_claimed
-        n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
-        if not self.p.fixed_hit:
-            # queued, a whole chunk is read even where the plan (what lands by the ETA) ends
-            # inside it: the chunk beyond the plan would be read next anyway, and cutting reads
-            # at an estimate only adds a read's latency (measured under load: p90 1.08x best_effort)
-            n = max(n, cost.queued_chunk(o, now, self.target - self.next_pos, self.p.chunk_max_blocks))
-        if n == 0 and self._awaits_evidence(o):
-            return 0  # another session's probe is out: its measurement decides (Replan), not the prior
-        if n == 0:
-            # what is claimed lands when the lane's work up to it is done, as the lane stands
-            # now (its backlog counts this session's pending reads; ``queued_s``: those claimed
-            # since) -- not the estimate made at the claim, which is stale once reads land early
-            pending_end = now + o.backlog_s + self.queued_s if self.in_flight else now
-            keep = cost.keep_admitted(o, now, pending_end, self.pending_blocks)
-            if keep and self.in_flight:
-                return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
-            self._seal(Status.COST, "cost")
-            self.keep_admitted = keep  # False: withdraw what has not started
-            return 0
-        if not commit:
-            return 0
-        if not self.claimed_any and o.probe_blocks and (
-                o.unmeasured or cost.gain(o, now, n, current_end, self.queued_s) <= 0):
-            self.probe_chunk = self._ids  # the id the claim gets
-            # a probe that pays (L3 cheaper than prefill, latency included) lands by then
-            self.probe_deadline = now + n * o.saving_per_block
-        self.claimed_any = True
-        self.plan_claimed = max(self.plan_claimed, self.next_pos + min(n, planned))
-        land = cost.lands(o, now, n, current_end, self.queued_s)
-        self.queued_s += o.l3_latency_s + n * o.l3_s_per_block
-        self.expected_end = max(current_end, land)
-        return n
-
-    def _new_outlook(self, o) -> None:
-        if o is not None and self.p.policy == Policy.COST_AWARE:
-            self.outlook = o
-            self.queued_s = 0.0  # the new backlog counts what was claimed before it
 
     def _maybe_finish(self) -> list:
         if self.state == State.TERMINAL:
@@ -403,23 +290,12 @@ class Session:
 
     @property
     def _reads_beside_query(self) -> bool:
-        """``read_with_query`` applies: not ``wait_complete`` (one claim).  For ``cost_aware`` only
-        on a measured estimate (never a probe), where restoring clearly pays per block (at most
-        half the prefill it saves: its reads are then what the request waits for; dearer, it
-        reads only what hides behind the queue, which gains nothing from starting a round trip
-        sooner -- measured under load, p50 1.04-1.08x -- and near break-even the round trip saved
-        is worth little while a read started early holds the shared lane: p90 1.2-1.3x measured
-        at L3/prefill 1 under load), and while the read lane's backlog is shorter than the query:
-        behind a longer one the read could not start before the answer anyway, and claimed early
-        it would only take its place in the lane ahead of the answer's plan (under a burst: a
-        request that then waits on a busy lane for a tail it would have recomputed)."""
-        p, o = self.p, self.outlook
+        """``read_with_query`` applies: not ``wait_complete`` (one claim); for ``cost_aware``,
+        :meth:`CostRules._cost_reads_beside_query`."""
+        p = self.p
         if not p.read_with_query or p.policy == Policy.WAIT_COMPLETE:
             return False
-        if p.policy != Policy.COST_AWARE:
-            return True
-        return (not (o.unmeasured or o.probe_blocks) and o.l3_s_per_block <= CLEAR_SAVING * o.saving_per_block
-                and o.backlog_s < (o.query_s or o.l3_latency_s))
+        return p.policy != Policy.COST_AWARE or self._cost_reads_beside_query
 
     def _claim_with_query(self) -> list:
         """``read_with_query``: claim the first chunk now, as if L3 held it (the query's answer
@@ -428,20 +304,9 @@ class Session:
         p = self.p
         if not self._reads_beside_query:
             return []
-        remaining = p.total - p.resident
-        n = min(p.chunk_max_blocks, remaining)
+        n = min(p.chunk_max_blocks, p.total - p.resident)
         if p.policy == Policy.COST_AWARE:
-            o, now = self.outlook, self.now
-            first = cost.next_claim(o, now, remaining, p.chunk_max_blocks, now, self.claimed_any)
-            if not p.fixed_hit:
-                first = max(first, cost.queued_chunk(o, now, remaining, p.chunk_max_blocks))
-            if first <= 0:
-                return []
-            self.target = p.total  # (for this one decision: the answer sets the target)
-            try:
-                n = self._cost_claim(commit=True)  # the same decision, with its bookkeeping
-            finally:
-                self.target = p.resident
+            n = self._cost_first_claim()
             if n <= 0:
                 return []
         c = Chunk(self._ids, p.resident, n)
@@ -556,14 +421,6 @@ class Session:
         if self.state == State.CREATED:
             self.state = State.RUNNING
         return self._advance()
-
-    @property
-    def reads_outlast_admission(self) -> bool:
-        """cost_aware's reads are cheaper per block than prefill: worth the engine's next
-        admission (the recompute they save outweighs a late start), so an engine's admission
-        neither stops them (``Demand.admitted``) nor bounds their drain (``demand`` with
-        ``drain_s``)."""
-        return self.outlook is not None and self.outlook.restore_pays_per_block
 
     def chunk_pending(self, chunk: int) -> bool:
         """True while ``chunk`` is claimed and its results are not in."""
