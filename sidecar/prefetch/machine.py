@@ -56,7 +56,7 @@ Guarantees (checked by the property tests):
 * ``read_with_query`` (not ``wait_complete``, whose hit is one claim): the first chunk is
   claimed with the L3 query, as if L3 held it (for ``cost_aware`` only where the measured
   estimate says that chunk pays, never a probe, where a block's read costs at most half the
-  prefill it saves, and while the read lane's backlog is shorter than the query), so a hit's
+  prefill it saves, and while the read lane's backlog is under three query times), so a hit's
   first read does not wait one L3 round trip for the answer.  Nothing of it is published before the answer (a block that did
   not land may only be past the hit); the answer then fits it to the hit: blocks past it are
   dropped, not failures, and a chunk wholly past it still in flight is detached (``Detach``

@@ -34,8 +34,10 @@ from kvsidecar.sidecar.prefetch.cost import Outlook
 from kvsidecar.sidecar.prefetch.events import Detach, Policy, State, Status
 
 # cost_aware reads its first chunk with the L3 query only where a block's read costs at most this
-# share of the prefill it saves (see CostRules._cost_reads_beside_query)
+# share of the prefill it saves, and while the read lane's backlog estimate is under this many L3
+# query times (see CostRules._cost_reads_beside_query)
 CLEAR_SAVING = 0.5
+BESIDE_QUERY_BACKLOG = 3.0
 
 
 class CostRules:
@@ -175,18 +177,23 @@ class CostRules:
 
     @property
     def _cost_reads_beside_query(self) -> bool:
-        """cost_aware reads its first chunk beside the L3 query only on a measured estimate (never a probe), where restoring clearly pays per block (at most
-        half the prefill it saves: its reads are then what the request waits for; dearer, it
-        reads only what hides behind the queue, which gains nothing from starting a round trip
-        sooner -- measured under load, p50 1.04-1.08x -- and near break-even the round trip saved
-        is worth little while a read started early holds the shared lane: p90 1.2-1.3x measured
-        at L3/prefill 1 under load), and while the read lane's backlog is shorter than the query:
-        behind a longer one the read could not start before the answer anyway, and claimed early
-        it would only take its place in the lane ahead of the answer's plan (under a burst: a
-        request that then waits on a busy lane for a tail it would have recomputed)."""
+        """cost_aware reads its first chunk beside the L3 query only on a measured estimate (never
+        a probe), where restoring clearly pays per block (at most ``CLEAR_SAVING`` of the prefill
+        it saves: its reads are then what the request waits for; dearer, it reads only what hides
+        behind the queue, which gains nothing from starting a round trip sooner -- measured under
+        load, p50 1.04-1.08x -- and near break-even the round trip saved is worth little while a
+        read started early holds the shared lane: p90 1.2-1.3x measured at L3/prefill 1 under
+        load), and while the read lane's backlog estimate is under ``BESIDE_QUERY_BACKLOG``
+        query times.  Past that the claim adds to a lane already saturated and the request's
+        read, last by age, waits behind it (under a burst: for a tail it would have
+        recomputed).  The estimate is an upper one (every read not finished counts whole, the
+        one in progress too, and reads on parallel lanes add up), so the bound is three query
+        times, not one: measured at L3/prefill 0.32 under 0.9 load, two request streams, 9
+        interleaved trials per TP size, against a bound of one query time: p50 0.85-0.87x, p90
+        0.98-1.02x; with no bound at all p90 went to 1.02-1.11x."""
         o = self.outlook
         return (not (o.unmeasured or o.probe_blocks) and o.l3_s_per_block <= CLEAR_SAVING * o.saving_per_block
-                and o.backlog_s < (o.query_s or o.l3_latency_s))
+                and o.backlog_s < BESIDE_QUERY_BACKLOG * (o.query_s or o.l3_latency_s))
 
     def _new_outlook(self, o) -> None:
         if o is not None and self.p.policy == Policy.COST_AWARE:

@@ -537,8 +537,10 @@ def _cheap_l3(now=0.0, **kw):
 
 
 @pytest.mark.parametrize("fixed_hit", [False, True])
-def test_read_with_query_cost_aware_claims_what_its_plan_starts_with(fixed_hit):
-    s = mk(Policy.COST_AWARE, total=40, chunk=4, read_with_query=True, outlook=_cheap_l3(), fixed_hit=fixed_hit)
+@pytest.mark.parametrize("backlog_s", [0.0, 0.008], ids=["idle_lane", "lane_under_three_queries"])
+def test_read_with_query_cost_aware_claims_what_its_plan_starts_with(fixed_hit, backlog_s):
+    s = mk(Policy.COST_AWARE, total=40, chunk=4, read_with_query=True, fixed_hit=fixed_hit,
+           outlook=_cheap_l3(backlog_s=backlog_s, query_s=0.003))
     out = s.handle(Start(0, eta_given=True))
     assert out[0] == Query(0) and len(claims(out)) == 1 and claims(out)[0].start == 0
     n = claims(out)[0].count
@@ -550,9 +552,9 @@ def test_read_with_query_cost_aware_claims_what_its_plan_starts_with(fixed_hit):
 
 @pytest.mark.parametrize("outlook", [_cheap_l3(unmeasured=True, probe_blocks=2), _cheap_l3(probe_blocks=2),
                                      Outlook(0.0, 0.001, 0.001, 0.05), Outlook(1.0, 0.001, 0.001, 0.05),
-                                     _cheap_l3(backlog_s=0.004, query_s=0.003)],
+                                     _cheap_l3(backlog_s=0.010, query_s=0.003)],
                          ids=["unmeasured", "probe", "dearer_than_prefill_no_queue", "dearer_than_prefill_queued",
-                              "lane_busier_than_the_query"])
+                              "lane_busier_than_three_queries"])
 def test_read_with_query_cost_aware_never_reads_a_probe_or_what_does_not_pay_before_the_answer(outlook):
     s = mk(Policy.COST_AWARE, total=40, chunk=4, read_with_query=True, outlook=outlook)
     out = s.handle(Start(0))
