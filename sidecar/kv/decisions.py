@@ -35,6 +35,9 @@ class DecisionBook:
         self.ttl_s = ttl_s
         self.records: dict[tuple, Decision] = {}
         self._expiry = DeadlineHeap(self.records, lambda rec: rec.expires)
+        # (group, req, attempt) -> its live records' keys: a request's end finds its records
+        # without a scan (a lagging rank leaves records live for up to the TTL)
+        self._by_request: dict[tuple, set] = {}
         self.hits = 0
         self.made = 0
 
@@ -46,8 +49,20 @@ class DecisionBook:
         rec.readers.add(rank)
         self.hits += 1
         if len(rec.readers) >= rec.group_size:
-            del self.records[key]
+            self._drop(key)
         return rec
+
+    @staticmethod
+    def _request(key: tuple) -> tuple:
+        return (key[0], key[2], key[3])  # (group, req, attempt) of (group, op, req, attempt, step)
+
+    def _drop(self, key: tuple) -> None:
+        if self.records.pop(key, None) is not None:
+            keys = self._by_request.get(self._request(key))
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_request[self._request(key)]
 
     def record(self, key: tuple, rank: int, group_size: int, result: dict, now: float,
                question: bytes = b"") -> None:
@@ -55,19 +70,20 @@ class DecisionBook:
         if group_size <= 1:
             return
         self.records[key] = Decision(key, result, {rank}, group_size, now + self.ttl_s, question)
+        self._by_request.setdefault(self._request(key), set()).add(key)
         self._expiry.push(now + self.ttl_s, key)
 
     def skip(self, group: str, op: str, req, attempt, rank: int) -> list:
         """``rank`` will never read the records of ``(group, op, req, attempt)`` it has not read
         yet (it is done with the request): count it as a reader of each (a record every rank
-        has read goes); returns those records.  O(records): live records are the steps in
-        flight, and a request ends once."""
+        has read goes); returns those records."""
         out = []
-        for key, rec in list(self.records.items()):
-            if key[:4] == (group, op, req, attempt) and rank not in rec.readers:
+        for key in list(self._by_request.get((group, req, attempt), ())):
+            rec = self.records[key]
+            if key[1] == op and rank not in rec.readers:
                 rec.readers.add(rank)
                 if len(rec.readers) >= rec.group_size:
-                    del self.records[key]
+                    self._drop(key)
                 out.append(rec)
         return out
 
@@ -75,13 +91,13 @@ class DecisionBook:
         """Drop every record of ``group`` (its last rank left); returns how many."""
         gone = [key for key in self.records if key[0] == group]
         for key in gone:
-            del self.records[key]
+            self._drop(key)
         return len(gone)
 
     def expire(self, now: float) -> int:
         due = self._expiry.pop_due(now)
         for rec in due:
-            self.records.pop(rec.key, None)
+            self._drop(rec.key)
         return len(due)
 
     def next_expiry(self) -> float | None:

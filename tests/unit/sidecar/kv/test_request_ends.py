@@ -43,3 +43,29 @@ def test_decisions_skip_marks_only_the_requests_unread_records():
     assert set(b.records) == {("g", "get", "r", 0, 2), ("g", "get", "r", 1, 1), ("g", "store", "r", 0, 1),
                               ("h", "get", "r", 0, 1)}
     assert b.skip("g", "get", "r", 0, 1) == []  # idempotent
+
+
+def _index_matches(b: DecisionBook) -> None:
+    want = {}
+    for key in b.records:
+        want.setdefault((key[0], key[2], key[3]), set()).add(key)
+    assert b._by_request == want
+
+
+def test_the_request_index_follows_every_way_a_record_goes():
+    b = DecisionBook(ttl_s=10.0)
+    for step in range(3):
+        b.record(("g", "get", "r", 0, step), 0, 2, {"lease": step}, float(step))
+    b.record(("g", "lookup", "r", 0, 0), 0, 2, {"hit": 1}, 0.0)
+    b.record(("h", "get", "r", 0, 0), 0, 2, {"lease": 9}, 0.0)
+    _index_matches(b)
+    b.lookup(("g", "get", "r", 0, 0), 1)  # read by both: gone
+    _index_matches(b)
+    assert sorted(r.key for r in b.skip("g", "get", "r", 0, 1)) == [("g", "get", "r", 0, 1), ("g", "get", "r", 0, 2)]
+    assert b.skip("g", "get", "r", 0, 1) == []  # (both now read by both ranks: gone)
+    _index_matches(b)
+    assert b.expire(20.0) == 2  # the lookup's and h's
+    _index_matches(b)
+    b.record(("h", "get", "r", 0, 1), 0, 2, {"lease": 9}, 30.0)
+    b.forget_group("h")
+    assert b.records == {} and b._by_request == {}
