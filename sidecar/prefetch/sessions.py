@@ -93,7 +93,12 @@ class SessionManager(Service):
 
     def op_prefetch(self, conn, msg) -> dict:
         key = self._key(conn, msg)
+        view = self._start_or_join(conn, msg, key)
+        # (only a prefetch taken: a refused one leaves the rank done with the request, if it was)
         self.core.request_started(conn, key[1], key[2])
+        return view
+
+    def _start_or_join(self, conn, msg, key) -> dict:
         rec = self.records.get(key)
         if rec is not None:  # another rank (or a retry) of the same request: one session
             if rec.chain != msg["chain"]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.errors import RemoteError
 from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.config import ConfigError, load_config
 from kvsidecar.sidecar.spawn import SidecarStartError
@@ -365,6 +366,9 @@ def test_a_new_prefetch_of_the_request_lifts_the_end(sidecar_factory, instance):
     attempt) is answered again: its GETs hold shares as before."""
     r0, r1, chain = _ended_setup(sidecar_factory, instance)
     r1.abort("r")
+    with pytest.raises(RemoteError):  # a refused prefetch (unknown policy) does not lift the end
+        r1.prefetch(chain, "r", policy="nonesuch")
+    assert r1.get(chain, req="r", step=6).count == 0
     r1.prefetch(chain, "r", policy="timeout")
     lease = r0.get(chain, req="r", step=8)
     mine = r1.get(chain, req="r", step=8)
