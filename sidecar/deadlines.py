@@ -35,11 +35,12 @@ class DeadlineHeap:
 
     def pop_due(self, now: float) -> list:
         """Live records whose deadline has passed (each once)."""
-        out = []
+        out, seen = [], set()
         while self._heap and self._heap[0][0] <= now:
             _, key = heapq.heappop(self._heap)
             rec = self._live.get(key)
-            if rec is not None and self._deadline_of(rec) <= now:
+            if rec is not None and self._deadline_of(rec) <= now and key not in seen:
+                seen.add(key)  # (a renewed deadline leaves earlier entries of the same key)
                 out.append(rec)
         return out
 

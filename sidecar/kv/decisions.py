@@ -3,9 +3,10 @@
 Every rank of a TP group asks the sidecar the same question in the same scheduler
 step; the first answer for ``(group, op, request, attempt, step)`` is recorded and
 returned verbatim to every rank of that group, so ranks never need a collective and
-never disagree.  A record is dropped once every rank of the group has read it, after
-its TTL (a rank that never asks must not pin memory forever), or when its group leaves
-(a new incarnation of the engine reuses request ids and steps; it must compute afresh).
+never disagree.  A record is dropped once every rank of the group has read it (or is
+done with the request and will not: ``skip``), after its TTL (a rank that never asks must
+not pin memory forever), or when its group leaves (a new incarnation of the engine reuses
+request ids and steps; it must compute afresh).
 
 A record only says what was decided; whether it may still be handed to a rank is the
 caller's check (``KVCore.decided``): block ids are replayed only under a pin the asking
@@ -40,6 +41,11 @@ class DecisionBook:
         self._by_request: dict[tuple, set] = {}
         self.hits = 0
         self.made = 0
+
+    def has_read(self, key: tuple, rank: int) -> bool:
+        """Whether ``rank`` has read (or decided) the live record ``key``."""
+        rec = self.records.get(key)
+        return rec is not None and rank in rec.readers
 
     def lookup(self, key: tuple, rank: int) -> Decision | None:
         """The record for ``key`` (and mark ``rank`` as having read it), or None."""

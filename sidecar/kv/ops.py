@@ -122,9 +122,14 @@ class KVCore(Service):
         key = self._decision_key(conn, op, msg)
         question = _question(msg) if key is not None else b""
         if key is not None:
+            read_before = self.decisions.has_read(key, conn.info.rank)
             rec = self.decisions.lookup(key, conn.info.rank)
             if rec is not None:
                 if rec.question != question:  # the same (req, step) asked about another chain
+                    if op == "get" and rec.result.get("lease") and not read_before:
+                        # the share kept for it would never be released (one it received and
+                        # may still be copying from stays until it releases)
+                        self.leases.release(rec.result["lease"], None, conn.info.group, conn.info.rank)
                     return self._stale(conn, op, rec.result, "conflicting")
                 if "error" in rec.result:
                     raise OpError(rec.result["error"][0], rec.result["error"][1])
@@ -255,6 +260,8 @@ class KVCore(Service):
             if conn.info.rank in ended:  # its I/O thread raced its scheduler's end: nothing to copy
                 self.host.counters["gets_after_end"] += 1
                 return {"lease": 0, "blocks": b"", "count": 0, "ended": True}
+            if ended:  # the others still fetch it: the marks last as long as they do
+                self.request_ends.renew((conn.info.group, req, msg.get("attempt", 0)), self.clock())
 
         def compute(grouped: bool) -> dict:
             chain = msg["chain"]

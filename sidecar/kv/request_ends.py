@@ -13,9 +13,10 @@ ranks.  A share kept for it would pin the blocks until the lease's TTL.  So, per
 * the rank's shares of decisions made *before* its end that it has not yet received are
   given up by the caller (``KVCore.request_ended``); a share it received stays until it
   releases (its copy may still run);
-* ``start`` (a new prefetch of the same request by that rank) clears the mark, and a mark
-  expires after ``ttl_s`` (the decision TTL: nothing recorded before it can still be
-  replayed) or goes with its group (a new incarnation reuses request ids).
+* ``start`` (a prefetch of the same request by that rank that is taken: it starts or joins
+  the session) clears the mark; a mark expires ``ttl_s`` (the decision TTL: nothing recorded
+  before it can still be replayed) after the last end or GET of the request by another rank
+  (``renew``), or goes with its group (a new incarnation reuses request ids).
 
 Control thread only; no I/O.
 """
@@ -47,6 +48,13 @@ class RequestEnds:
         rec.ranks.add(rank)
         rec.expires = now + self.ttl_s
         self._expiry.push(rec.expires, key)
+
+    def renew(self, key: tuple, now: float) -> None:
+        """Another rank still fetches the request: its marks last ``ttl_s`` from now."""
+        rec = self.records.get(key)
+        if rec is not None:
+            rec.expires = now + self.ttl_s
+            self._expiry.push(rec.expires, key)
 
     def start(self, key: tuple, rank: int) -> None:
         rec = self.records.get(key)

@@ -11,8 +11,9 @@ What the rules own (initialised by :meth:`CostRules._init_cost`): the latest
 (``expected_end``) and the read time claimed since the outlook (``queued_s``), the plan's reach
 (``plan_end``, ``plan_claimed``: :attr:`Session.planned`), the probe (``probe_chunk``,
 ``probe_deadline``), ``keep_admitted`` after a cost stop and ``hit_cap`` (``fixed_hit``).
-What they use of the session: ``p``, ``state``, ``sealed``, ``target``, ``next_pos``,
-``chunks`` and their counts, and ``_seal`` (a cost stop).
+What they use of the session: ``p``, ``now``, ``state``, ``sealed``, ``target``, ``next_pos``,
+``chunks``, ``_ids``, ``in_flight``, ``pending_blocks``, ``chunk_pending``,
+``_reads_beside_query`` and ``_seal`` (a cost stop).
 
 Invariants (the machine's property tests check them with these rules in place):
 
@@ -21,8 +22,10 @@ Invariants (the machine's property tests check them with these rules in place):
   and its bookkeeping (:meth:`_commit_claim`) is done exactly once per claim;
 * a decision of "nothing more" seals with ``Status.COST`` -- except while a probe is out, while
   what is in flight still pays (decided again when it lands), or while the session awaits
-  another session's measurement -- and never before the L3 query's answer set the target
-  (the chunk read beside the query is decided on a provisional target, :meth:`_cost_first_claim`);
+  another session's measurement; a claim decision never seals before the L3 query's answer
+  set the target (the chunk read beside the query is decided on a provisional target,
+  :meth:`_cost_first_claim`) -- the one stop before the query is :meth:`_query_pays` at the
+  start, where not even the best case could pay;
 * a probe (claimed for the estimator's evidence) holds a scheduling candidate no longer than a
   probe that pays would take (``probe_deadline``); then it is detached and the session seals.
 """

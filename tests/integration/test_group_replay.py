@@ -368,6 +368,10 @@ def test_a_new_prefetch_of_the_request_lifts_the_end(sidecar_factory, instance):
     r1.abort("r")
     with pytest.raises(RemoteError):  # a refused prefetch (unknown policy) does not lift the end
         r1.prefetch(chain, "r", policy="nonesuch")
+    r0.prefetch(r0.hasher.chain(tokens(2)), "r2", policy="timeout")
+    with pytest.raises(RemoteError):  # nor one over another chain than the session's
+        r1.prefetch(chain, "r2", policy="timeout")
+    r1.abort("r2")
     assert r1.get(chain, req="r", step=6).count == 0
     r1.prefetch(chain, "r", policy="timeout")
     lease = r0.get(chain, req="r", step=8)
@@ -391,4 +395,32 @@ def test_another_groups_end_and_another_attempt_are_not_this_ones(sidecar_factor
     assert mine.count == N and loaded_values(r1, mine) == {1.0}
     r1.release(mine)
     h1.detach()
+    release_check_detach([], (r0, r1))
+
+
+def test_a_conflicting_replay_gives_the_unreceived_share_back(sidecar_factory, instance):
+    """Rank 1 asks rank 0's (req, step) about another chain (a reused request id): a stale miss,
+    and the share kept for it goes (it will never release a lease it was not told of); a rank
+    that had received its share and then asks again about another chain keeps it until it
+    releases."""
+    sidecar_factory(**overrides(2 * N))
+    r0, r1 = rank(instance, 0), rank(instance, 1)
+    store_group([r0, r1], 1, 1.0, "store-A")
+    store_group([r0, r1], 2, 5.0, "store-B")
+    chain_a, chain_b = r0.hasher.chain(tokens(1)), r0.hasher.chain(tokens(2))
+    lease = r0.get(chain_a, req="r", step=1)
+    other = r1.get(chain_b, req="r", step=1)
+    assert (other.count, other.stale) == (0, True)
+    r0.release(lease)
+    assert counters(r0)["counters"]["decisions_conflicting"] == 1
+    books_clean(counters(r0))  # (before: N blocks pinned for rank 1 until lease_ttl_s)
+    mine = r1.get(chain_a, req="r", step=2)  # rank 1 decides step 2 (and holds its share) ...
+    again = r1.get(chain_b, req="r", step=2)  # ... then asks it again about chain B
+    assert (again.count, again.stale) == (0, True)
+    lease = r0.get(chain_a, req="r", step=2)
+    assert lease.count == N
+    r0.release(lease)
+    assert r0.stats()["pool"]["pinned"] == N  # rank 1's received share still pins chain A
+    assert loaded_values(r1, mine) == {1.0}
+    r1.release(mine)
     release_check_detach([], (r0, r1))

@@ -148,11 +148,20 @@ class World:
         self.h[0].flush()
 
     def close(self):
-        """Every rank of ``g`` leaves (a share a rank never asked for lives until then), then the
-        books, read by ``h``, must be empty."""
+        """Every rank of ``g`` releases what it holds and ends every request: then nothing is
+        pinned, before any rank leaves (a share kept for a rank that ended a request, or was
+        answered with a conflicting replay, would be); then every rank leaves and the books,
+        read by ``h``, must be empty."""
         for rank, lease in self.held:
             if self.g[rank].pool is not None:
                 self.g[rank].release(lease)
+        for c in self.g:
+            if c.pool is not None:
+                for req in range(3):
+                    c.abort(f"r{req}")
+        if all(c.pool is not None for c in self.g):  # (an absent rank's shares went when it left)
+            s = self.h[0].stats(check=True)
+            assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0, s["leases"]
         for c in self.g:
             if c.pool is not None:
                 c.detach()

@@ -69,3 +69,29 @@ def test_the_request_index_follows_every_way_a_record_goes():
     b.record(("h", "get", "r", 0, 1), 0, 2, {"lease": 9}, 30.0)
     b.forget_group("h")
     assert b.records == {} and b._by_request == {}
+
+
+def test_renew_keeps_the_marks_while_others_fetch():
+    e = RequestEnds(ttl_s=10.0)
+    e.end(K, 1, now=0.0)
+    e.renew(K, now=8.0)
+    e.renew(("g", "other", 0), now=8.0)  # (no mark: nothing to renew)
+    assert e.expire(12.0) == 0 and e.ended(K) == {1}
+    assert e.expire(18.0) == 1 and e.records == {}
+
+
+def test_a_renewed_record_expires_once():
+    e = RequestEnds(ttl_s=1.0)
+    e.end(K, 1, now=0.0)
+    e.end(K, 0, now=0.5)  # two heap entries for the key, both due by 2.0
+    assert e.expire(2.0) == 1
+
+
+def test_skip_in_a_group_of_three_leaves_the_record_for_the_rank_still_to_read():
+    b = DecisionBook(ttl_s=30.0)
+    key = ("g", "get", "r", 0, 1)
+    b.record(key, 0, 3, {"lease": 7}, 0.0)
+    assert [r.key for r in b.skip("g", "get", "r", 0, 2)] == [key]
+    assert b.has_read(key, 2) and not b.has_read(key, 1) and key in b.records
+    assert b.lookup(key, 1) is not None and key not in b.records
+    _index_matches(b)
