@@ -52,11 +52,15 @@ class DecisionBook:
         rec = self.records.get(key)
         if rec is None:
             return None
-        rec.readers.add(rank)
         self.hits += 1
-        if len(rec.readers) >= rec.group_size:
-            self._drop(key)
+        self._read_by(rec, rank)
         return rec
+
+    def _read_by(self, rec: Decision, rank: int) -> None:
+        """``rank`` has the record (or never will): once every rank has, it goes."""
+        rec.readers.add(rank)
+        if len(rec.readers) >= rec.group_size:
+            self._drop(rec.key)
 
     @staticmethod
     def _request(key: tuple) -> tuple:
@@ -87,9 +91,7 @@ class DecisionBook:
         for key in list(self._by_request.get((group, req, attempt), ())):
             rec = self.records[key]
             if key[1] == op and rank not in rec.readers:
-                rec.readers.add(rank)
-                if len(rec.readers) >= rec.group_size:
-                    self._drop(key)
+                self._read_by(rec, rank)
                 out.append(rec)
         return out
 

@@ -46,8 +46,7 @@ class RequestEnds:
         if rec is None:
             rec = self.records[key] = _Ended(key, set(), now + self.ttl_s)
         rec.ranks.add(rank)
-        rec.expires = now + self.ttl_s
-        self._expiry.push(rec.expires, key)
+        self.renew(key, now)
 
     def renew(self, key: tuple, now: float) -> None:
         """Another rank still fetches the request: its marks last ``ttl_s`` from now."""
