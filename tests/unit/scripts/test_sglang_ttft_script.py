@@ -3,7 +3,7 @@ minutes: ``.sglang-venv/bin/python -m scripts.sglang_ttft --quick --json FILE``)
 
 import pytest
 
-from scripts.sglang_ttft import ARMS, make_workload, paired, percentile, rows, summarize, verdicts
+from scripts.sglang_ttft import ARMS, make_workload, paired, percentile, pooled, rows, summarize, verdicts
 
 
 def test_workload_shares_prefixes_and_arrives_in_order():
@@ -113,3 +113,36 @@ def test_a_server_that_could_not_bind_its_port_is_recognised(tmp_path):
     assert not _bind_failed(tmp_path / "missing.log", 36555)
     log.write_text("[2026-12-05 12:41:15] INFO:     Application startup complete.\n")
     assert not _bind_failed(log, 36555)
+
+
+def test_pooled_ratio_takes_every_request_and_bootstraps_over_trials():
+    """The figure over every request, not a median of per-trial figures; the interval resamples
+    whole trials (the same ones for every arm) and is reproducible."""
+    from scripts.trials import pooled_ratio
+
+    med = lambda xs: percentile(xs, 50)  # noqa: E731
+    arms = {"a": [[10, 10, 30], [10, 30, 30]], "b": [[20, 20, 20], [20, 20, 20]], "c": [[40] * 3, [40] * 3]}
+    r = pooled_ratio(arms, "a", ("b", "c"), med, reps=500)
+    # pooled a = [10, 10, 10, 30, 30, 30]: p50 20; per-trial p50s 10 and 30 (their median 20 too)
+    assert r["a"] == pytest.approx(20.0) and r["best"] == pytest.approx(20.0) and r["ratio"] == pytest.approx(1.0)
+    assert r["n_trials"] == 2 and r["n"] == 6
+    lo, hi = r["ci"]
+    assert lo == pytest.approx(0.5) and hi == pytest.approx(1.5)  # both trials drawn twice: 10/20 and 30/20
+    assert pooled_ratio(arms, "a", ("b", "c"), med, reps=500) == r  # seeded
+    assert pooled_ratio(arms, "a", ("missing",), med) is None
+    assert pooled_ratio({"a": arms["a"], "b": arms["b"][:1]}, "a", ("b",), med) is None  # trials must pair
+
+
+def test_pooled_verdict_is_beside_the_median_over_trials():
+    trials = [_trial(1.0), _trial(1.1), _trial(0.9)]
+    p = pooled(trials, 2000, reps=200)
+    # cost_aware 83 x scale against whole_task 80 x scale, in every trial: 83/80 pooled
+    assert p["ttft_p50_ms"]["ratio"] == pytest.approx(83 / 80, abs=2e-3)
+    assert p["ttft_p50_ms"]["met"] and p["ttft_p50_ms"]["requests"] == 30 and p["ttft_p50_ms"]["n_trials"] == 3
+    lo, hi = p["ttft_p50_ms"]["ci90"]
+    assert lo <= p["ttft_p50_ms"]["ratio"] <= hi
+    slow = pooled(trials, 80, reps=200)["ttft_p50_ms"]
+    assert slow["ratio"] == pytest.approx(120 / 80, abs=2e-3) and not slow["met"] and not slow["met_ci"]
+    doc = rows(trials, [2000])
+    assert doc[0]["arms"]["whole_task"]["pooled"]["requests"] == 30
+    assert pooled([{"no_prefetch": trials[0]["no_prefetch"]}], 80) == {}
