@@ -18,9 +18,16 @@ puts every prefilled block through the same link, so their measured cost (fitted
 2 Mbit/s — and ``cost_aware`` plans on it from the first request after a start instead of
 losing that request to a probe.  Writes stop counting at the first read: reads decide.
 
+The per-block cost is the time past the latency over the blocks, each read weighing by its
+blocks (forgetting ``forget`` per read): a 2-block read's sample is mostly its latency's noise,
+a 34-block read's is the bandwidth.  (Weighed alike, one 2-block read slowed to 8 ms by a busy
+CPU doubled the per-block cost of a tier that reads a block in 1 ms; every short tail after it
+looked dearer than its prefill, none was read, and nothing corrected the estimate.)
+
 Two reads in a row more than ``CHANGE`` off their prediction the same way mark a change of
 regime: the long memory restarts from those two reads (otherwise, with reads of mixed sizes, it
-fits one line through both regimes and a bandwidth change shows up as latency).
+fits one line through both regimes and a bandwidth change shows up as latency).  One such read
+alone counts, until the next says which it was, as only ``CHANGE`` off its prediction.
 Also tracks how good it is: the weighted mean of ``|predicted - measured| / measured``
 over the reads it predicted once it had evidence (``error``; the prior's guess is not counted).  One instance per tier (per backend); control thread only.
 """
@@ -63,6 +70,7 @@ class ReadCostModel:
         self._min_s = float("inf")
         self.samples = 0
         self._latency, self._per_block = prior_latency_s, prior_s_per_block
+        self._pb_time = self._pb_blocks = 0.0  # the per-block cost's memory: time past latency / blocks
         self._err_num = self._err_den = 0.0
         self._surprise: tuple | None = None  # (blocks, seconds, signed error) of a read far off its prediction
         self._writes: ReadCostModel | None = None  # the fit of the writes, while no read is measured
@@ -93,6 +101,7 @@ class ReadCostModel:
         if blocks <= 0 or not seconds >= 0 or seconds == float("inf"):
             return
         changed = False
+        used = seconds  # what the fit takes of this read (a lone surprise: clipped, see below)
         if seconds > 0 and self.samples:  # predictions made with evidence (the prior's is not one)
             predicted = self._latency + blocks * self._per_block
             if self.samples >= 2:
@@ -110,6 +119,10 @@ class ReadCostModel:
                 changed = True  # two reads in a row off the same way: the tier changed
             else:
                 self._surprise = (blocks, seconds, surprise)  # one may be noise: wait for the next
+                # and until the next says which, it counts as no further off than CHANGE: one
+                # read slowed by a busy CPU must not move the estimate as much as a new regime
+                used = predicted * (1.0 + CHANGE if surprise > 0 else 1.0 - CHANGE)
+        reads = [(blocks, used)]
         if changed:
             # the long memory would fit a line through both regimes (a bandwidth change then
             # shows up as latency): start it again from the two reads of the new one
@@ -118,13 +131,19 @@ class ReadCostModel:
             self._w = self._k = self._kk = self._s = self._ks = 0.0
             self._min_s = float("inf")
             self._accumulate(prev_blocks, prev_seconds)
-        self._accumulate(blocks, seconds)
+            reads.insert(0, (prev_blocks, prev_seconds))
+            self._pb_time = self._pb_blocks = 0.0  # (a new regime: the old per-block cost is no guide)
+        self._accumulate(blocks, used)
         self.samples += 1
         self._latency = self._fit_latency()
-        sample = max(0.0, seconds - self._latency) / blocks
+        # per block: time past the latency over blocks, each read weighing by its blocks (a
+        # 2-block read's sample is mostly latency noise, a 34-block read's is the bandwidth),
+        # forgetting ``forget`` per read so that a bandwidth change is tracked within a few
         a = self.forget
-        fresh = self.samples == 1 or changed  # (a new regime: the old per-block cost is no guide)
-        self._per_block = max(1e-9, sample if fresh else a * self._per_block + (1 - a) * sample)
+        for k, sec in reads:
+            self._pb_time = a * self._pb_time + max(0.0, sec - self._latency)
+            self._pb_blocks = a * self._pb_blocks + k
+        self._per_block = max(1e-9, self._pb_time / self._pb_blocks)
 
     def _accumulate(self, blocks: int, seconds: float) -> None:
         f = self.latency_forget
