@@ -364,6 +364,7 @@ class KvSidecarHiCacheStorage(RequestLifecycle, GenericPageInterface, _Base):
             return []
         if not self.writer:  # MLA: rank 0 writes the one replicated shard
             return [True] * n
+        t0 = time.perf_counter()
         chain = self._chain(keys)
 
         def run(c):
@@ -385,6 +386,9 @@ class KvSidecarHiCacheStorage(RequestLifecycle, GenericPageInterface, _Base):
         res = self._call(run, [False] * n)
         self._count("set_pages_ok", sum(res))
         self._count("set_pages_failed", n - sum(res))
+        trace = self.trace
+        if trace is not None:  # the timeline: a backup has no request id here (SGLang's backup thread)
+            trace(f"backup:{n}:{keys[0][:16]}", "set", t0, time.perf_counter())
         return res
 
     def clear(self) -> None:

@@ -22,6 +22,10 @@ line per storage phase, same clock), and splits each request's TTFT into:
   and ``checks``: how many ``check_prefetch_progress`` calls found the request's prefetch still open
   (0: admitted in the iteration that first saw it).
 
+The log also holds the write-through's cost, which no request's breakdown shows: one ``set`` record
+per ``batch_set_v1`` of SGLang's backup thread (rid ``backup:<pages>:<first key>``; store, copy
+into the pool, commit).
+
 Pure parsing (:func:`parse_log`, :func:`breakdown`) is separate from the file handling.
 """
 

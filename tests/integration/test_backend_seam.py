@@ -207,7 +207,12 @@ def test_backend_pages_go_through_the_copier_bit_exact(sidecar_factory, instance
     sidecar_factory(**overrides(pool, tmp_path))
     b = backend(instance, pool)
     ks = keys("bx")
+    traced = []
+    b.trace = lambda rid, phase, t0, t1: traced.append((rid, phase, t0, t1))  # the timeline (benchmarks)
     assert b.batch_set_v1(ks, indices(range(CHAIN))) == [True] * CHAIN
+    assert [(rid, phase) for rid, phase, _, _ in traced] == [(f"backup:{CHAIN}:{ks[0][:16]}", "set")]
+    assert 0 < traced[0][3] - traced[0][2] < 5.0
+    b.trace = None
     assert b.batch_get_v1(ks, indices(range(32, 32 + CHAIN))) == [True] * CHAIN
     assert pool.page_bytes(range(32, 32 + CHAIN)) == pool.page_bytes(range(CHAIN))
     # the generic interface: whole pages as tensors, through the copier's shard reads and writes
