@@ -90,7 +90,7 @@ def pooled_verdict(runs: list, timeout_arm: str, reps: int = 2000) -> dict:
     (:func:`scripts.trials.pooled_ratio`), beside :func:`verdict`'s medians of per-trial figures.
     ``met``: both ratios within their targets on the pooled figures; ``met_ci``: their whole
     intervals are.  Empty when a trial kept no per-request TTFTs."""
-    if not all("ttft_ms" in r["arms"].get(a, {}) for r in runs for a in TABLE_ARMS) or not runs:
+    if not runs or not all("ttft_ms" in r["arms"].get(a, {}) for r in runs for a in TABLE_ARMS):
         return {}
     per = {name: [r["arms"][timeout_arm if name == "timeout" else name]["ttft_ms"] for r in runs] for name in REPORTED}
     per["bound"] = [r["bounds_ms"]["serial"] for r in runs]

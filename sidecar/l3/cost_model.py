@@ -136,10 +136,7 @@ class ReadCostModel:
         self._accumulate(blocks, used)
         self.samples += 1
         self._latency = self._fit_latency()
-        # per block: time past the latency over blocks, each read weighing by its blocks (a
-        # 2-block read's sample is mostly latency noise, a 34-block read's is the bandwidth),
-        # forgetting ``forget`` per read so that a bandwidth change is tracked within a few
-        a = self.forget
+        a = self.forget  # per block: each read weighs by its blocks (see the module docstring)
         for k, sec in reads:
             self._pb_time = a * self._pb_time + max(0.0, sec - self._latency)
             self._pb_blocks = a * self._pb_blocks + k
