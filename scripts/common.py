@@ -19,11 +19,32 @@ def percentile(xs, q: float, empty: float = 0.0) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def _stat_after_comm(pid) -> list:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` has used so far (from /proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    rest = _stat_after_comm(pid)
     return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_seconds(sid: int) -> float:
+    """User + system CPU seconds used so far by every live process of session ``sid`` (a server
+    started with ``start_new_session``: its ranks and helpers)."""
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            rest = _stat_after_comm(name)
+        except OSError:  # exited meanwhile
+            continue
+        if int(rest[3]) == sid:
+            total += int(rest[11]) + int(rest[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def wait_puts_done(conn, timeout_s: float = 120.0) -> dict:

@@ -241,7 +241,8 @@ class Bench:
 
         srv = start_server(self.model_dir, self.work, storage="none")
         try:
-            return {"no_prefetch": self._measure(srv.port, wl, tag, lambda: None, None, "no_prefetch")}
+            return {"no_prefetch": self._measure(srv.port, wl, tag, lambda: None, None, "no_prefetch",
+                                                 cpu=_cpu_meter(srv))}
         finally:
             srv.stop()
 
@@ -256,7 +257,8 @@ class Bench:
             return sum(1 for n in os.listdir(fdir) if n.endswith(".bin")) // 2
 
         try:
-            return {"sglang_file": self._measure(srv.port, wl, tag, lambda: None, stored, "sglang_file")}
+            return {"sglang_file": self._measure(srv.port, wl, tag, lambda: None, stored, "sglang_file",
+                                                 cpu=_cpu_meter(srv))}
         finally:
             srv.stop()
 
@@ -311,7 +313,8 @@ class Bench:
                     s = c.stats()
                     return s["store"].get("published_blocks", 0) if not s["l3"].get("puts_in_flight", 0) else -1
 
-                res = self._measure(srv.port, wl, f"{tag}-{arm}-{mbps:g}", flush_pool, stored, arm)
+                res = self._measure(srv.port, wl, f"{tag}-{arm}-{mbps:g}", flush_pool, stored, arm,
+                                    cpu=_cpu_meter(srv, holder["sc"].pid))
                 st = c.stats()
                 res["sidecar"] = {"sessions": st.get("sessions", {}), "l3": st.get("l3", {})}
                 out[f"{arm}@{mbps:g}"] = res
@@ -325,9 +328,10 @@ class Bench:
         return out
 
     # one arm on a running server -----------------------------------------------------------------
-    def _measure(self, port, wl, tag, flush_pool, stored_count, arm) -> dict:
+    def _measure(self, port, wl, tag, flush_pool, stored_count, arm, cpu=None) -> dict:
         """``stored_count()``: pages the storage holds (kvsidecar: published blocks; file: files
-        per rank); ``flush_pool()``: empties kvsidecar's CPU pool (the next hits come from L3)."""
+        per rank); ``flush_pool()``: empties kvsidecar's CPU pool (the next hits come from L3);
+        ``cpu()``: CPU seconds used so far per process group (the stream's share is reported)."""
         from scripts.sglang_server import flush_cache, stream_generate
 
         # seed the shared prefixes (one request each; write-through to storage), then flush
@@ -342,8 +346,10 @@ class Bench:
         # an earlier arm's tier files (L3, SGLang's file backend) would otherwise be flushed during
         # whichever stream runs then, on the 2 cores both ranks need; the stream's own writes stay
         os.sync()
+        cpu0 = cpu() if cpu else {}
         replies = run_stream(port, wl, tag)
-        res = {"ttft_s": [r.ttft_s for r in replies], "storage": [r.storage_tokens for r in replies],
+        cpu1 = cpu() if cpu else {}
+        res = {"cpu_s": {k: round(cpu1[k] - cpu0[k], 3) for k in cpu1},"ttft_s": [r.ttft_s for r in replies], "storage": [r.storage_tokens for r in replies],
                "outputs": [r.output_ids for r in replies],
                "timeline": {f"{tag}-{i}": [round(r.sent_at, 6), round(r.ttft_s, 6)] for i, r in enumerate(replies)}}
         # the hit probe: cold, then after SGLang's flush a storage hit (kvsidecar: its pool)
@@ -402,8 +408,23 @@ class Bench:
                         "probe": res["probe"], "client_timeline": res["timeline"]}
             if "sidecar" in res:
                 out[key]["sidecar"] = res["sidecar"]
+            if res.get("cpu_s"):
+                out[key]["cpu_s"] = res["cpu_s"]
         out["server_logs"] = [str(p) for p in sorted(self.work.glob("server-*.log"))]
         return out
+
+
+def _cpu_meter(srv, sidecar_pid: int | None = None):
+    """CPU seconds so far of the server's processes and (kvsidecar) the sidecar's."""
+    from scripts.common import cpu_seconds, session_cpu_seconds
+
+    def meter():
+        out = {"server": session_cpu_seconds(srv.proc.pid)}
+        if sidecar_pid is not None:
+            out["sidecar"] = cpu_seconds(sidecar_pid)
+        return out
+
+    return meter
 
 
 def _pages(ids) -> int:
@@ -531,8 +552,9 @@ def print_table(doc: dict) -> None:
             t = v["trials"]
             every = v.get("pooled") or {}
             over = f"  every request p50 {every['ttft_p50_ms']:.1f} p90 {every['ttft_p90_ms']:.1f}" if every else ""
+            cpu = "".join(f"  cpu {name} {fmt(secs, 2)} s" for name, secs in (t.get("cpu_s") or {}).items())
             print(f"  {arm:12s} p50 {fmt(t['ttft_p50_ms'], 1):>28s}  p90 {fmt(t['ttft_p90_ms'], 1):>28s}  "
-                  f"storage tok {fmt(t['storage_tokens_mean'], 0):>18s}  match {t['outputs_match_cold']}{over}")
+                  f"storage tok {fmt(t['storage_tokens_mean'], 0):>18s}  match {t['outputs_match_cold']}{over}{cpu}")
         for q, v in row.get("verdict", {}).items():
             print(f"  cost_aware {q}: {v['cost_aware']} vs 1.05 x min = {v['bound']}: {'met' if v['met'] else 'MISSED'}")
         for q, v in row.get("paired", {}).items():
