@@ -122,49 +122,85 @@ class RequestLifecycle:
                 self._count("aborts_inline")
                 send()
 
-    def _start_session(self, c, ref: SessionRef, policy: str, n_keys: int, eta_s, prefill_s_per_block) -> dict:
+    def _start_session(self, c, ref: SessionRef, policy: str, n_keys: int, eta_s, prefill_s_per_block,
+                       wait: bool = True):
         """Start (or join) ``ref``'s session: the one ``prefetch`` both the queue entry and the
-        prefetch thread's query send, with the same parameters (a join ignores them)."""
+        prefetch thread's query send, with the same parameters (a join ignores them).  Its view;
+        with ``wait=False`` the request id, whose view the caller reads (and counts)."""
         s = self.config.sessions
         view = c.prefetch(ref.chain, ref.rid, attempt=ref.attempt, policy=policy, budget_s=s.budget_s,
                           chunk_max_blocks=s.chunk_max_blocks or None, tokens=n_keys * self.layout.tokens_per_block,
-                          eta_s=eta_s, prefill_s_per_block=prefill_s_per_block, fixed_hit=True)
-        self._count("sessions_joined" if view.get("existed") else "sessions_started")
+                          eta_s=eta_s, prefill_s_per_block=prefill_s_per_block, fixed_hit=True, wait=wait)
+        if wait:
+            self._count("sessions_joined" if view.get("existed") else "sessions_started")
         return view
 
     def start_at_entry(self, rid: str, attempt: int, keys, eta_s: float | None = None,
                        prefill_s_per_block: float | None = None) -> bool:
-        """``cost_aware`` at the request's queue entry (SGLang's scheduler thread): start its
-        session now, over ``keys`` -- the chain SGLang's prefetch thread will query, whose
-        ``batch_exists`` then joins this session -- and say whether a storage operation for the
-        request can restore anything.
+        """One request's :meth:`start_at_entry_many`."""
+        return self.start_at_entry_many([(rid, attempt, keys, eta_s, prefill_s_per_block)])[0]
 
-        False only when the sidecar ended the session as it started with nothing to restore: no
-        resident prefix, and not even the best case of an L3 read lowers TTFT
-        (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`); the session is then ended here.
-        True otherwise, and whenever the sidecar cannot answer (SGLang then runs its storage
-        operation as it would without this).  The answer is this rank's: the plugin agrees on it
-        across the TP group before acting on it (SGLang's storage drains are collective)."""
-        if not keys or not self.config.sessions.enabled or not self.use_l3:
-            return True
+    def start_at_entry_many(self, entries) -> list[bool]:
+        """``cost_aware`` at queue entry (SGLang's scheduler thread), for the requests one
+        scheduler iteration received: start each one's session now, over its ``keys`` -- the chain
+        SGLang's prefetch thread will query, whose ``batch_exists`` then joins this session -- and
+        say, per request, whether a storage operation for it can restore anything.  ``entries``:
+        ``(rid, attempt, keys, eta_s, prefill_s_per_block)`` tuples.
+
+        One sidecar round for them all: every start is sent, then every answer read, on one
+        connection (the ring keeps their order), so n requests cost one round trip and n
+        sidecar steps, not n round trips.
+
+        An answer is False only when the sidecar ended that session as it started with nothing to
+        restore: no resident prefix, and not even the best case of an L3 read lowers TTFT
+        (:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`; the session ended as it started,
+        the plugin unregisters it).  True otherwise, and whenever the sidecar cannot answer (SGLang then runs its storage
+        operation as it would without this).  The answers are this rank's: the plugin agrees on
+        them across the TP group before acting on them (SGLang's storage drains are collective)."""
+        answers = [True] * len(entries)
+        if not self.config.sessions.enabled or not self.use_l3:
+            return answers
         s = self.config.sessions
-        chain = self._chain(keys)
-        ref = SessionRef(str(rid), int(attempt or 0), chain, {k: i for i, k in enumerate(keys)})
-        if not self.sessions.open(ref):
-            return True  # ended already: SGLang's own checks decide (its query then starts nothing)
+        opened = []  # (index, ref, eta_s, prefill_s_per_block): the sessions to start
+        for i, (rid, attempt, keys, eta_s, per_block) in enumerate(entries):
+            if not keys:
+                continue
+            ref = SessionRef(str(rid), int(attempt or 0), self._chain(keys), {k: j for j, k in enumerate(keys)})
+            if self.sessions.open(ref):  # else ended already: SGLang's own checks decide
+                opened.append((i, ref, eta_s, per_block))
+        if not opened:
+            return answers
 
-        view = self._call(lambda c: self._start_session(c, ref, s.policy, len(keys), eta_s, prefill_s_per_block),
-                          None)
-        if view is None:
-            self.sessions.discard(ref)
-            return True
-        self._count("entry_sessions")
-        if view.get("state") == "terminal":
-            if not view.get("prefix"):
-                self._count("entry_nothing_to_restore")
-                return False
-            ref.terminal_prefix = int(view["prefix"])  # final: the query answers it as it is
-        return True
+        def round_trip(c):
+            sent = [self._start_session(c, ref, s.policy, len(ref.positions), eta_s, per_block, wait=False)
+                    for _i, ref, eta_s, per_block in opened]
+            views = []
+            try:
+                for rid in sent:
+                    reply = c.client.wait(rid)
+                    if not reply.get("ok"):  # that session only: SGLang runs its operation
+                        self._count("entry_errors")
+                        reply = None
+                    views.append(reply)
+            finally:
+                for rid in sent[len(views):]:  # (a failed wait: the rest are not read)
+                    c.client.discard(rid)
+            return views
+
+        views = self._call(round_trip, None) or [None] * len(opened)
+        for (i, ref, _eta, _pb), view in zip(opened, views):
+            if view is None:
+                self.sessions.discard(ref)
+                continue
+            self._count("sessions_joined" if view.get("existed") else "sessions_started")
+            self._count("entry_sessions")
+            if view.get("state") == "terminal":
+                if not view.get("prefix"):
+                    self._count("entry_nothing_to_restore")
+                    answers[i] = False
+                else:
+                    ref.terminal_prefix = int(view["prefix"])  # final: the query answers it as it is
+        return answers
 
     def flush_aborts(self, timeout_s: float) -> bool:
         """Wait (bounded) until every abort :meth:`end` handed off has reached the sidecar."""

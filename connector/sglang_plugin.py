@@ -13,9 +13,10 @@ point ``kvsidecar = kvsidecar.connector.sglang_plugin:load`` (installed with kvs
    ======================================================  ==================================
    SGLang event                                             kvsidecar op
    ======================================================  ==================================
-   queue entry (``prefetch_from_storage``); cost_aware:     ``prefetch`` with the first ETA;
-   the TP group agrees (MAX) whether to run SGLang's        nothing to restore: no SGLang
-   storage operation (:mod:`.sglang_entry`)                 operation (session ended, ``cost``)
+   queue entry (``prefetch_from_storage``); cost_aware:     ``prefetch`` with the first ETA
+   SGLang's call deferred to the next drain, where the      (one round for the iteration's
+   TP group agrees (one MAX) whether to run each            requests); nothing to restore: no
+   (:mod:`.sglang_entry`)                                   SGLang operation (ended, ``cost``)
    prefetch thread ``batch_exists`` (whole tail chain)      ``prefetch`` (rid, full chain,
                                                             policy / chunk / budget; joins the
                                                             entry's session) + ``wait`` for the
@@ -187,6 +188,8 @@ def radix_cache_class():
             drains finished (its pages joined the tree, it left ``ongoing_prefetch`` without
             passing ``check_prefetch_progress``) has its session ended here."""
             kvs = self._kvs
+            if self._kvs_entry is not None:  # the requests received since the last drain (every rank)
+                self._kvs_entry.flush(self)
             before = list(self.ongoing_prefetch) if kvs is not None else ()
             super().check_hicache_events()
             if self._kvs_settle is not None:
@@ -206,21 +209,18 @@ def radix_cache_class():
             if eta is not None:  # the scheduler thread, just before the request joins waiting_queue
                 eta_s, per_block = eta.at_queue_entry(eta.scheduler, request.rid, request.attempt_id)
             gate = self._kvs_entry
-            gated = gate is not None and self.enable_storage and gate_applies(
-                len(new_input_tokens), self.page_size, self.prefetch_threshold, kwargs.get("storage_hit_end"))
-            if gated:
-                t0 = time.perf_counter()
-                run = gate.decide(self, request, new_input_tokens, last_hash, kwargs.get("extra_key"),
-                                  kwargs.get("cache_salt"), eta_s, per_block)
-                if self._kvs.trace is not None:
-                    self._kvs.trace(request.rid, "entry_gate", t0, time.perf_counter())
-                if not run:
-                    return None  # no storage operation: the request queues as without storage
-            out = super().prefetch_from_storage(request, last_host_node_id, new_input_tokens, last_hash,
-                                                *args, **kwargs)
-            if gated:
-                gate.after_prefetch(self, request)
-            return out
+            if gate is not None and self.enable_storage and gate_applies(
+                    len(new_input_tokens), self.page_size, self.prefetch_threshold, kwargs.get("storage_hit_end")):
+                def run():  # at the gate's flush, if the group runs it: SGLang's call as it was
+                    super(KvSidecarRadixCache, self).prefetch_from_storage(
+                        request, last_host_node_id, new_input_tokens, last_hash, *args, **kwargs)
+                    gate.after_prefetch(self, request)
+
+                gate.defer(self, request, new_input_tokens, last_hash, kwargs.get("extra_key"),
+                           kwargs.get("cache_salt"), eta_s, per_block, run)
+                return None  # (SGLang's callers do not use the answer)
+            return super().prefetch_from_storage(request, last_host_node_id, new_input_tokens, last_hash,
+                                                 *args, **kwargs)
 
         def check_prefetch_progress(self, request) -> bool:
             kvs = self._kvs
@@ -244,6 +244,8 @@ def radix_cache_class():
             return done
 
         def release_aborted_request(self, request) -> None:
+            if self._kvs_entry is not None:
+                self._kvs_entry.drop(request)  # aborted before its entry decision: nothing was started
             live = self._kvs is not None and request in self.ongoing_prefetch
             super().release_aborted_request(request)
             if live:

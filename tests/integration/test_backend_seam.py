@@ -415,6 +415,48 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
     b.close()
 
 
+def test_entry_decisions_of_one_iteration_take_one_round(sidecar_factory, instance, tmp_path):
+    """``start_at_entry_many`` (the gate's flush: the requests one scheduler iteration received):
+    every start is sent, then every answer read, on one connection, each answer what
+    ``start_at_entry`` alone would have said -- an L3-only chain at an idle engine has nothing to
+    restore (False), a resident one is a hit, the same L3 chain 10 s behind the queue is worth
+    reading.  A start the sidecar refuses (bad input) answers True for that request alone and
+    leaves no session behind; a request without keys is not sent."""
+    pool = HostPool(seed=7)
+    sidecar_factory(**overrides(pool, tmp_path, **{"l3.bandwidth_mbps": 0.2, "l3.latency_ms": 2.0}))
+    b = backend(instance, pool, sessions={"policy": "cost_aware", "query_wait_s": 5.0})
+    cold, hot = keys("cold2"), keys("hot2")
+    assert b.batch_set_v1(cold, indices(range(CHAIN))) == [True] * CHAIN
+    with b.connection() as c:
+        wait_l3_idle(c)
+        c.flush()
+        wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda n: n >= 2)
+    assert b.batch_set_v1(hot, indices(range(CHAIN, 2 * CHAIN))) == [True] * CHAIN
+    got = b.start_at_entry_many([("a-cold", 0, cold, 0.0, 1e-4), ("a-hot", 0, hot, 0.0, 1e-4),
+                                 ("a-bad", 0, keys("bad"), "soon", 1e-4), ("a-none", 0, [], 0.0, 1e-4),
+                                 ("a-queued", 1, cold, 10.0, 1e-4)])
+    assert got == [False, True, True, True, True]
+    st = b.get_stats()
+    assert st["entry_sessions"] == 3 and st["entry_nothing_to_restore"] == 1 and st["entry_errors"] == 1, st
+    assert st["sessions_started"] == 3 and b.session("a-bad") is None and b.session("a-none") is None, st
+    assert b.resident("a-hot") is False  # (no query yet: residency is the query's report)
+    with b.bind("a-queued", 1):
+        assert b.batch_exists(cold) == CHAIN  # joins the running session
+    with b.bind("a-hot"):
+        assert b.batch_exists(hot) == CHAIN and b.resident("a-hot")
+    for rid, attempt in (("a-cold", 0), ("a-hot", 0), ("a-queued", 1)):
+        b.end(rid, attempt)
+    assert b.flush_aborts(10.0)
+    with b.connection() as c:
+        v = c.poll("a-cold")
+        assert v["state"] == "terminal" and v["status"] == "cost" and v["prefix"] == 0, v
+        s = wait_until(lambda: c.stats(check=True), 10.0, "leases or pins left",
+                       until=lambda s: s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0)
+        assert s["invariants"] == "" and s["sessions"]["orphans"] == 0, s
+    assert b.sessions.sizes()["open"] == 0
+    b.close()
+
+
 def test_entry_decision_without_a_sidecar_runs_sglangs_operation(instance):
     b = backend(instance, HostPool(), sessions={"policy": "cost_aware"}, timeout_s=0.2)
     assert b.start_at_entry("r", 0, keys("x"), eta_s=0.0, prefill_s_per_block=1e-4) is True

@@ -27,29 +27,39 @@ def test_gate_applies_exactly_where_sglang_would_query(n, page, threshold, hit_e
 
 
 class _Backend:
+    """Answers per rid (a dict), or raises; records what it was asked and what was ended."""
+
     def __init__(self, answer):
-        self.answer, self.ended, self.counts = answer, [], {}
+        self.answer, self.ended, self.counts, self.asked = answer, [], {}, []
         self.trace = None
 
     def _count(self, name):
         self.counts[name] = self.counts.get(name, 0) + 1
 
-    def start_at_entry(self, rid, attempt, keys, eta_s, per_block):
+    def start_at_entry_many(self, entries):
+        self.asked.append([e[0] for e in entries])
         if isinstance(self.answer, Exception):
             raise self.answer
-        return self.answer
+        return [self.answer[e[0]] for e in entries]
 
     def end(self, rid, attempt=0):
         self.ended.append((rid, attempt))
 
 
 class _Cache:
-    """Single rank (no collective); the keys come from a stub of the gate's ``keys``."""
-    tp_world_size = 1
+    """One rank; ``others``: the other ranks' answers the group's MAX meets (None: TP 1)."""
 
-    def __init__(self):
+    def __init__(self, others=None):
         self.ongoing_prefetch = {}
         self.storage_prefetch_retries = types.SimpleNamespace(_pending={})
+        self.others = others
+        self.tp_world_size = 1 if others is None else 2
+        self.collectives = []
+
+    def _all_reduce_attn_groups(self, tensor, op):
+        self.collectives.append(tensor.tolist())
+        for i, x in enumerate(self.others):
+            tensor[i] = max(int(tensor[i]), x)
 
 
 class _Handle:
@@ -65,16 +75,74 @@ def _gate(answer):
     return g
 
 
-def test_a_session_with_nothing_to_restore_skips_the_operation_and_is_ended():
-    g, req = _gate(False), _Handle("r", 2)
-    assert g.decide(_Cache(), req, [1] * 32, None, None, None, 0.0, 1e-3) is False
-    assert g.backend.ended == [("r", 2)] and g.backend.counts == {"entry_asked": 1, "entry_skipped": 1}
+def _defer(g, cache, rids, ran):
+    handles = [_Handle(rid, 2) for rid in rids]
+    for h in handles:
+        g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda h=h: ran.append(h.rid))
+    return handles
 
 
-def test_a_failing_answer_runs_the_operation():
-    g, req = _gate(RuntimeError("boom")), _Handle("r")
-    assert g.decide(_Cache(), req, [1] * 32, None, None, None, 0.0, 1e-3) is True
-    assert g.backend.ended == [] and g.backend.counts["entry_errors"] == 1
+def test_the_requests_of_one_iteration_are_decided_in_one_round_and_one_collective():
+    g, ran = _gate({"a": False, "b": True, "c": False}), []
+    cache = _Cache(others=[0, 0, 0])
+    _defer(g, cache, ["a", "b", "c"], ran)
+    assert ran == [] and g.backend.asked == [] and g.pending == 3  # nothing before the drain
+    g.flush(cache)
+    assert g.backend.asked == [["a", "b", "c"]] and cache.collectives == [[0, 1, 0]]
+    assert ran == ["b"] and g.backend.ended == [("a", 2), ("c", 2)] and g.pending == 0
+    assert g.backend.counts == {"entry_asked": 3, "entry_skipped": 2}
+    g.flush(cache)  # nothing deferred: no round, no collective (every rank alike)
+    assert len(g.backend.asked) == 1 and len(cache.collectives) == 1
+
+
+def test_another_ranks_run_keeps_the_operation_on_every_rank():
+    g, ran = _gate({"a": False, "b": False}), []
+    cache = _Cache(others=[1, 0])  # the other rank's sidecar answer (or failure) said run for "a"
+    _defer(g, cache, ["a", "b"], ran)
+    g.flush(cache)
+    assert ran == ["a"] and g.backend.ended == [("b", 2)] and g.backend.counts["entry_kept_by_group"] == 1
+
+
+def test_a_failing_round_runs_every_operation():
+    g, ran = _gate(RuntimeError("boom")), []
+    _defer(g, _Cache(), ["a", "b"], ran)
+    g.flush(_Cache())
+    assert ran == ["a", "b"] and g.backend.ended == [] and g.backend.counts["entry_errors"] == 1
+
+
+def test_a_request_without_keys_runs_its_operation_and_is_not_asked_about():
+    g, ran, cache = _gate({"b": False}), [], _Cache()
+
+    def keys(cache, tokens, *rest):
+        if len(tokens) == 7:
+            raise ValueError("bad span")
+        return ["k0"]
+
+    g.keys = keys
+    g.defer(cache, _Handle("a"), [1] * 7, None, None, None, None, None, lambda: ran.append("a"))
+    g.defer(cache, _Handle("b"), [1] * 32, None, None, None, None, None, lambda: ran.append("b"))
+    g.flush(cache)
+    assert g.backend.asked == [["b"]] and ran == ["a"] and g.backend.ended == [("b", 0)]
+    assert g.backend.counts["entry_errors"] == 1
+
+
+def test_a_request_aborted_before_its_decision_is_dropped_unasked():
+    g, ran, cache = _gate({"a": True, "b": True}), [], _Cache()
+    a, _b = _defer(g, cache, ["a", "b"], ran)
+    assert g.drop(a) is True and g.drop(a) is False
+    g.flush(cache)
+    assert g.backend.asked == [["b"]] and ran == ["b"] and g.backend.counts["entry_dropped"] == 1
+
+
+def test_the_same_request_deferred_twice_is_decided_once():
+    g, ran, cache = _gate({"a": True}), [], _Cache()
+    _defer(g, cache, ["a"], ran)
+    _defer(g, cache, ["a"], ran)  # a fresh handle for the same rid is another SGLang request
+    h = _Handle("a", 2)
+    g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h1"))
+    g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h2"))
+    g.flush(cache)
+    assert ran.count("h1") + ran.count("h2") == 1 and ran[-1] == "h2"
 
 
 def test_after_sglangs_own_decline_the_entry_session_is_ended_unless_a_retry_is_armed():
