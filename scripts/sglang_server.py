@@ -95,6 +95,10 @@ class Reply:
     storage_tokens: int  # SGLang's cached_tokens_details.storage
     cached_tokens: int
     sent_at: float = 0.0  # time.perf_counter() when the request was sent (CLOCK_MONOTONIC)
+    # with the server's --enable-metrics: SGLang's own time stats of the request, seconds --
+    # queue (waiting queue entry -> forward), prefill (first forward -> prefill finished) and
+    # the rest of the TTFT (reception, tokenising, queue entry, streaming the token back)
+    server_s: dict | None = None
 
 
 def stream_generate(port: int, ids: list, max_new_tokens: int = 4, rid: str | None = None,
@@ -107,6 +111,7 @@ def stream_generate(port: int, ids: list, max_new_tokens: int = 4, rid: str | No
     req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", method="POST", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
+    wall0 = time.time()  # (SGLang reports its stamps in wall-clock time)
     ttft, last = None, None
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for line in r:
@@ -122,9 +127,17 @@ def stream_generate(port: int, ids: list, max_new_tokens: int = 4, rid: str | No
             last = msg
     e2e = time.perf_counter() - t0
     meta = (last or {}).get("meta_info", {})
-    return Reply(ttft if ttft is not None else e2e, e2e, list((last or {}).get("output_ids", [])),
+    ttft = ttft if ttft is not None else e2e
+    server_s = None
+    if meta.get("forward_entry_time") and meta.get("prefill_finished_time"):
+        queue = float(meta.get("queue_time") or 0.0)
+        prefill = meta["prefill_finished_time"] - meta["forward_entry_time"]
+        server_s = {"queue": round(queue, 6), "prefill": round(prefill, 6),
+                    "entry": round(meta["forward_entry_time"] - queue - wall0, 6),
+                    "rest": round(ttft - (meta["prefill_finished_time"] - wall0), 6)}
+    return Reply(ttft, e2e, list((last or {}).get("output_ids", [])),
                  int((meta.get("cached_tokens_details") or {}).get("storage", 0) or 0),
-                 int(meta.get("cached_tokens", 0) or 0), t0)
+                 int(meta.get("cached_tokens", 0) or 0), t0, server_s)
 
 
 def flush_cache(port: int, timeout_s: float = 60) -> None:
@@ -172,17 +185,18 @@ class PortTaken(RuntimeError):
 
 def start_server(model_dir: Path, work: Path, *, storage: str, kvsidecar_cfg: Path | None = None,
                  file_dir: Path | None = None, plugin: bool = True, max_total_tokens: int = 32768,
-                 seed: int = 0, start_timeout_s: float = 300, attempts: int = 3) -> Server:
+                 seed: int = 0, start_timeout_s: float = 300, attempts: int = 3, extra_args: tuple = ()) -> Server:
     """``sglang.launch_server --device cpu`` TP=2 with HiCache; ``storage``: ``none`` (HiCache
     without storage), ``kvsidecar`` (dynamic backend; with ``plugin`` the kvsidecar radix cache)
     or ``file`` (SGLang's own file backend in ``file_dir``, its own prefetch policy).  A port
     taken between picking it and SGLang's bind (one of SGLang's own internal ports, or another
-    process) is retried on a fresh port, at most ``attempts`` times."""
+    process) is retried on a fresh port, at most ``attempts`` times.  ``extra_args``: more
+    ``launch_server`` flags (the benchmark's ``--enable-metrics``)."""
     for attempt in range(1, attempts + 1):
         try:
             return _start_server_once(model_dir, work, storage=storage, kvsidecar_cfg=kvsidecar_cfg,
                                       file_dir=file_dir, plugin=plugin, max_total_tokens=max_total_tokens,
-                                      seed=seed, start_timeout_s=start_timeout_s)
+                                      seed=seed, start_timeout_s=start_timeout_s, extra_args=extra_args)
         except PortTaken as exc:
             if attempt == attempts:
                 raise
@@ -192,7 +206,7 @@ def start_server(model_dir: Path, work: Path, *, storage: str, kvsidecar_cfg: Pa
 
 def _start_server_once(model_dir: Path, work: Path, *, storage: str, kvsidecar_cfg: Path | None,
                        file_dir: Path | None, plugin: bool, max_total_tokens: int, seed: int,
-                       start_timeout_s: float) -> Server:
+                       start_timeout_s: float, extra_args: tuple = ()) -> Server:
     from kvsidecar.sidecar.l3.master import free_port
 
     port = free_port()
@@ -213,7 +227,7 @@ def _start_server_once(model_dir: Path, work: Path, *, storage: str, kvsidecar_c
             "--model-path", str(model_dir), "--device", "cpu", "--load-format", "dummy", "--random-seed", str(seed),
             "--skip-tokenizer-init", "--tp", str(TP), "--port", str(port), "--host", "127.0.0.1",
             "--page-size", str(PAGE), "--max-total-tokens", str(max_total_tokens), "--enable-hierarchical-cache",
-            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
+            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", *extra_args]
     if storage == "kvsidecar":
         extra = {"backend_name": "kvsidecar", "module_path": "kvsidecar.connector.hicache_backend",
                  "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "config_file": str(kvsidecar_cfg)}

@@ -114,11 +114,16 @@ def rows(trials: list, speeds: list) -> list:
             samples = [t[key] for t in trials if key in t]
             if samples:
                 agg = aggregate([{k: v for k, v in s.items()
-                                  if k not in ("storage_tokens", "probe", "client_timeline", "sidecar", "ttft_ms")}
+                                  if k not in ("storage_tokens", "probe", "client_timeline", "sidecar", "ttft_ms",
+                                               "server_s")}
                                  for s in samples])
                 every = [x for s in samples for x in s.get("ttft_ms", ())]
                 arms[arm] = {**agg, "ttft_p50_ms": agg["ttft_p50_ms"]["median"],
                              "ttft_p90_ms": agg["ttft_p90_ms"]["median"], "trials": agg}
+                times = [x for s in samples for x in (s.get("server_s") or ()) if x]
+                if times:  # SGLang's own time stats (--server-times), median over every request
+                    arms[arm]["server_ms"] = {k: round(statistics.median(x[k] for x in times) * 1e3, 2)
+                                              for k in ("entry", "queue", "prefill", "rest")}
                 if every:  # the arm's quantiles over every request of every trial (see pooled())
                     arms[arm]["pooled"] = {"ttft_p50_ms": round(percentile(every, 50), 2),
                                            "ttft_p90_ms": round(percentile(every, 90), 2), "requests": len(every)}
@@ -225,7 +230,12 @@ class Bench:
     chunk_max_blocks: int = 0  # kvsidecar sessions' chunk (0: the sidecar's default, 128 blocks)
     shared_server: bool = False  # one SGLang server for every kvsidecar arm of a trial (faster, not independent)
     instance_prefix: str = "kvsttft"
+    server_times: bool = False  # every server with --enable-metrics: SGLang's own per-request time stats
     started: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def server_args(self) -> tuple:
+        return ("--enable-metrics",) if self.server_times else ()
 
     def __post_init__(self):
         self.model_dir = self.model.write(self.work / "model")
@@ -239,7 +249,7 @@ class Bench:
     def arm_no_prefetch(self, wl, tag):
         from scripts.sglang_server import start_server
 
-        srv = start_server(self.model_dir, self.work, storage="none")
+        srv = start_server(self.model_dir, self.work, storage="none", extra_args=self.server_args)
         try:
             return {"no_prefetch": self._measure(srv.port, wl, tag, lambda: None, None, "no_prefetch",
                                                  cpu=_cpu_meter(srv))}
@@ -251,7 +261,7 @@ class Bench:
 
         fdir = self.work / f"file-{tag}"
         fdir.mkdir(parents=True)
-        srv = start_server(self.model_dir, self.work, storage="file", file_dir=fdir)
+        srv = start_server(self.model_dir, self.work, storage="file", file_dir=fdir, extra_args=self.server_args)
 
         def stored():  # one file per page and rank
             return sum(1 for n in os.listdir(fdir) if n.endswith(".bin")) // 2
@@ -291,7 +301,8 @@ class Bench:
         srv = None
         if self.shared_server:
             sidecar(self.work / f"l3-{tag}-start")
-            srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg)
+            srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg,
+                                   extra_args=self.server_args)
         out = {}
         try:
             for mbps, arm in order:
@@ -303,7 +314,8 @@ class Bench:
                     srv = None
                 c = sidecar(self.work / f"l3-{tag}-{arm}-{mbps:g}", **over)  # a fresh pool and L3
                 if srv is None:  # a fresh server per arm: nothing an arm left behind reaches the next
-                    srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg)
+                    srv = start_server(self.model_dir, self.work, storage="kvsidecar", kvsidecar_cfg=cfg,
+                                   extra_args=self.server_args)
 
                 def flush_pool(c=c):
                     _drain_puts(c)
@@ -351,7 +363,8 @@ class Bench:
         cpu1 = cpu() if cpu else {}
         res = {"cpu_s": {k: round(cpu1[k] - cpu0[k], 3) for k in cpu1},"ttft_s": [r.ttft_s for r in replies], "storage": [r.storage_tokens for r in replies],
                "outputs": [r.output_ids for r in replies],
-               "timeline": {f"{tag}-{i}": [round(r.sent_at, 6), round(r.ttft_s, 6)] for i, r in enumerate(replies)}}
+               "timeline": {f"{tag}-{i}": [round(r.sent_at, 6), round(r.ttft_s, 6)] for i, r in enumerate(replies)},
+               "server_s": [r.server_s for r in replies] if any(r.server_s for r in replies) else None}
         # the hit probe: cold, then after SGLang's flush a storage hit (kvsidecar: its pool)
         cold, hit, ok, hit_storage = [], [], True, []
         for j, p in enumerate(wl.probes):
@@ -410,6 +423,8 @@ class Bench:
                 out[key]["sidecar"] = res["sidecar"]
             if res.get("cpu_s"):
                 out[key]["cpu_s"] = res["cpu_s"]
+            if res.get("server_s"):
+                out[key]["server_s"] = res["server_s"]
         out["server_logs"] = [str(p) for p in sorted(self.work.glob("server-*.log"))]
         return out
 
@@ -494,6 +509,9 @@ def main(argv=None) -> int:
                     help="one kvsidecar-backed SGLang server per trial for all its kvsidecar arms (sidecar restarted "
                          "per arm): faster, but an arm inherits the server state the one before left (measured: "
                          "cost_aware at 2 Mbit/s 1.6-2.5x no_prefetch right after whole_task's 5 s waits, 0.92 first)")
+    ap.add_argument("--server-times", action="store_true",
+                    help="run every server with --enable-metrics and split each TTFT with SGLang's own time stats "
+                         "(entry: sent -> queued, queue, prefill, rest: the token back to the client); diagnosis")
     ap.add_argument("--keep-data", action="store_true",
                     help="keep the L3 and file-tier stores (~500 MiB a run); logs are always kept")
     ap.add_argument("--json", required=True)
@@ -508,7 +526,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True)
     model = Model()
     bench = Bench(work, model, speeds, trials, {"requests": a.requests, "probes": a.probes}, tuple(a.setups.split(",")),
-                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server)
+                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server, server_times=a.server_times)
     results = []
     try:
         for k in range(trials):
@@ -553,6 +571,8 @@ def print_table(doc: dict) -> None:
             every = v.get("pooled") or {}
             over = f"  every request p50 {every['ttft_p50_ms']:.1f} p90 {every['ttft_p90_ms']:.1f}" if every else ""
             cpu = "".join(f"  cpu {name} {fmt(secs, 2)} s" for name, secs in (t.get("cpu_s") or {}).items())
+            if v.get("server_ms"):
+                cpu += "  SGLang ms (median) " + " ".join(f"{k} {x:.1f}" for k, x in v["server_ms"].items())
             print(f"  {arm:12s} p50 {fmt(t['ttft_p50_ms'], 1):>28s}  p90 {fmt(t['ttft_p90_ms'], 1):>28s}  "
                   f"storage tok {fmt(t['storage_tokens_mean'], 0):>18s}  match {t['outputs_match_cold']}{over}{cpu}")
         for q, v in row.get("verdict", {}).items():

@@ -146,3 +146,15 @@ def test_pooled_verdict_is_beside_the_median_over_trials():
     doc = rows(trials, [2000])
     assert doc[0]["arms"]["whole_task"]["pooled"]["requests"] == 30
     assert pooled([{"no_prefetch": trials[0]["no_prefetch"]}], 80) == {}
+
+
+def test_sglangs_own_time_stats_and_cpu_are_summarised_per_arm():
+    trials = [_trial(1.0), _trial(1.0), _trial(1.0)]
+    for k, t in enumerate(trials):
+        t["no_prefetch"]["server_s"] = [{"entry": 0.002, "queue": 0.010 * (k + 1), "prefill": 0.080, "rest": 0.001}] * 10
+        t["no_prefetch"]["cpu_s"] = {"server": 6.0 + k}
+    doc = rows(trials, [2000])
+    arm = doc[0]["arms"]["no_prefetch"]
+    assert arm["server_ms"] == {"entry": 2.0, "queue": 20.0, "prefill": 80.0, "rest": 1.0}  # over every request
+    assert arm["trials"]["cpu_s"]["server"]["median"] == 7.0
+    assert "server_ms" not in doc[0]["arms"]["whole_task"]  # (no stats: not made up)
