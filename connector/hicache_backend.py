@@ -130,6 +130,10 @@ class KvSidecarHiCacheStorage(RequestLifecycle, GenericPageInterface, _Base):
                          "copies_refused": 0, "entry_sessions": 0, "entry_nothing_to_restore": 0,
                          "entry_asked": 0, "entry_skipped": 0, "entry_kept_by_group": 0, "entry_errors": 0,
                          "entry_ended_unsubmitted": 0, "queries_answered_at_entry": 0}
+        # SGLang's storage metrics (--enable-metrics): per batch_get / batch_set, the pages and
+        # GB/s of this rank, handed over and cleared by each get_stats()
+        self.storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._io = {"prefetch_pgs": [], "prefetch_bandwidth": [], "backup_pgs": [], "backup_bandwidth": []}
 
     # -- set-up -------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -348,9 +352,11 @@ class KvSidecarHiCacheStorage(RequestLifecycle, GenericPageInterface, _Base):
                         trace(ref.rid, phase, a, b)
                 return got
 
+        t0 = time.perf_counter()
         got = self._call(run, 0)
         self._count("get_pages_ok", got)
         self._count("get_pages_missed", n - got)
+        self._record_io("prefetch", got, time.perf_counter() - t0)
         return [i < got for i in range(n)]
 
     def _store(self, c, chain: bytes, keys):
@@ -386,6 +392,7 @@ class KvSidecarHiCacheStorage(RequestLifecycle, GenericPageInterface, _Base):
         res = self._call(run, [False] * n)
         self._count("set_pages_ok", sum(res))
         self._count("set_pages_failed", n - sum(res))
+        self._record_io("backup", sum(res), time.perf_counter() - t0)
         trace = self.trace
         if trace is not None:  # the timeline: a backup has no request id here (SGLang's backup thread)
             trace(f"backup:{n}:{keys[0][:16]}", "set", t0, time.perf_counter())
@@ -395,7 +402,30 @@ class KvSidecarHiCacheStorage(RequestLifecycle, GenericPageInterface, _Base):
         """Drop every unpinned block of the CPU pool (L3 keeps its copies)."""
         self._call(lambda c: c.flush(), 0)
 
+    def _record_io(self, kind: str, pages: int, seconds: float) -> None:
+        """One batch_get ("prefetch") or batch_set ("backup") for SGLang's storage metrics."""
+        if not self.storage_metrics or pages <= 0 or self.layout is None:
+            return
+        gbps = pages * self.layout.shard_bytes / max(seconds, 1e-9) / (1 << 30)
+        with self._lock:
+            self._io[f"{kind}_pgs"].append(pages)
+            self._io[f"{kind}_bandwidth"].append(gbps)
+
     def get_stats(self):
+        """SGLang's storage-metrics hook (called each scheduler iteration with ``--enable-metrics``):
+        a ``StorageMetrics`` of the pages and bandwidth of every batch_get / batch_set since the
+        last call (then cleared), or None without metrics.  kvsidecar's own counters: :meth:`stats`."""
+        if not self.storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            io, self._io = self._io, {k: [] for k in self._io}
+        return StorageMetrics(**io)
+
+    def stats(self) -> dict:
+        """kvsidecar's counters for this rank (calls, pages, sessions, entry decisions, aborts)
+        and its connection pool's."""
         with self._lock:
             out = dict(self.counters)
         out["aborts_pending"] = self._aborts.pending()

@@ -82,7 +82,7 @@ class EntryGate:
         self.flushes = 0
 
     def _count(self, name: str) -> None:
-        self.backend._count(f"entry_{name}")  # in the backend's get_stats
+        self.backend._count(f"entry_{name}")  # in the backend's stats()
 
     def keys(self, cache, new_input_tokens, last_hash, extra_key, cache_salt) -> list:
         """The page keys SGLang's prefetch thread will query: ``get_storage_hash_str`` over the

@@ -228,7 +228,7 @@ def test_backend_pages_go_through_the_copier_bit_exact(sidecar_factory, instance
     assert b.batch_get_v1(ks, indices(range(40, 40 + CHAIN))) == [False] * CHAIN
     assert b.batch_set_v1(keys("null"), indices(range(CHAIN))) == [False] * CHAIN
     pool.null_pages = False
-    assert pool.page_bytes(range(40, 40 + CHAIN)) == before and b.get_stats()["copies_refused"] == 2
+    assert pool.page_bytes(range(40, 40 + CHAIN)) == before and b.stats()["copies_refused"] == 2
     with b.connection() as c:
         assert c.lookup(b._chain(keys("null"))) == 0  # the refused store published nothing
     with b.connection() as c:
@@ -292,7 +292,7 @@ def test_sidecar_restarted_under_the_backend_from_three_threads(sidecar_factory,
             th.join(30)
     assert not errors and not any(th.is_alive() for th in ths)
     assert all(ok for _, ok in results), "a page read back differs from what was written"
-    st = b.get_stats()
+    st = b.stats()
     assert st["conn_connections"] <= b.config.max_connections, st
     assert st["conn_unavailable_restarted"] >= 2 and st["degraded_calls"] > 0, st
     assert st["conn_slot_exhaustions"] == 0 and st["conn_attaches"] > st["conn_connections"], st
@@ -312,7 +312,7 @@ def test_backend_without_a_sidecar_is_a_prompt_miss(instance):
     assert b.batch_exists(keys("no")) == 0
     assert b.batch_get_v1(keys("no"), indices(range(CHAIN))) == [False] * CHAIN
     assert b.batch_set_v1(keys("no"), indices(range(CHAIN))) == [False] * CHAIN
-    st = b.get_stats()
+    st = b.stats()
     assert st["degraded_calls"] >= 3 and st["conn_unavailable_not_running"] == 1, st  # one attach per hold-off
     assert b.conns.policy.last_cause is Cause.NOT_RUNNING
     b.close()
@@ -342,7 +342,7 @@ def test_end_hands_its_abort_to_a_thread_and_the_sidecar_still_gets_it(sidecar_f
     try:
         b.end("a1")
         b.end("a2")
-        st = b.get_stats()  # returned while the sidecar could not answer: both still to send
+        st = b.stats()  # returned while the sidecar could not answer: both still to send
         assert st["aborts"] == 2 and st["aborts_pending"] == 2 and st["aborts_inline"] == 0, st
     finally:
         os.kill(sc.pid, signal.SIGCONT)
@@ -355,7 +355,7 @@ def test_end_hands_its_abort_to_a_thread_and_the_sidecar_still_gets_it(sidecar_f
                        30, "the aborted sessions still hold something")
     assert s["sessions"].get("terminal_aborted") == 2, s["sessions"]
     assert s["invariants"] == "" and s["pool"]["pinned"] == 0
-    st = b.get_stats()
+    st = b.stats()
     assert st["aborts_pending"] == 0 and st["aborts_failed"] == 0 and st["degraded_calls"] == 0, st
     b.close()
 
@@ -381,7 +381,7 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
         wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda n: n >= 2)
     assert b.batch_set_v1(hot, indices(range(CHAIN, 2 * CHAIN))) == [True] * CHAIN  # resident
     assert b.start_at_entry("r-cold", 0, cold, eta_s=0.0, prefill_s_per_block=1e-4) is False
-    st = b.get_stats()
+    st = b.stats()
     assert st["entry_sessions"] == 1 and st["entry_nothing_to_restore"] == 1, st
     assert b.session("r-cold") is not None  # registered until the plugin ends it (the group agreed)
     b.end("r-cold")
@@ -391,13 +391,13 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
         # the prefetch thread's query: the entry's session was terminal (the whole chain resident,
         # nothing to read), so its prefix is the answer, without a second round trip
         assert b.batch_exists(hot) == CHAIN
-    st = b.get_stats()
+    st = b.stats()
     assert st["sessions_started"] == 2 and st["sessions_joined"] == 0 and st["queries_answered_at_entry"] == 1, st
     assert st["entry_nothing_to_restore"] == 1 and b.resident("r-hot"), st
     assert b.start_at_entry("r-queued", 0, cold, eta_s=10.0, prefill_s_per_block=1e-4) is True
     with b.bind("r-queued"):
         assert b.batch_exists(cold) == CHAIN  # joins the running session: the plan lands within 10 s
-    assert b.get_stats()["sessions_joined"] == 1
+    assert b.stats()["sessions_joined"] == 1
     got = b.batch_get_v1(hot, indices(range(2 * CHAIN, 3 * CHAIN)))
     assert got == [True] * CHAIN
     assert pool.page_bytes(range(2 * CHAIN, 3 * CHAIN)) == pool.page_bytes(range(CHAIN, 2 * CHAIN))
@@ -436,7 +436,7 @@ def test_entry_decisions_of_one_iteration_take_one_round(sidecar_factory, instan
                                  ("a-bad", 0, keys("bad"), "soon", 1e-4), ("a-none", 0, [], 0.0, 1e-4),
                                  ("a-queued", 1, cold, 10.0, 1e-4)])
     assert got == [False, True, True, True, True]
-    st = b.get_stats()
+    st = b.stats()
     assert st["entry_sessions"] == 3 and st["entry_nothing_to_restore"] == 1 and st["entry_errors"] == 1, st
     assert st["sessions_started"] == 3 and b.session("a-bad") is None and b.session("a-none") is None, st
     assert b.resident("a-hot") is False  # (no query yet: residency is the query's report)
@@ -460,5 +460,5 @@ def test_entry_decisions_of_one_iteration_take_one_round(sidecar_factory, instan
 def test_entry_decision_without_a_sidecar_runs_sglangs_operation(instance):
     b = backend(instance, HostPool(), sessions={"policy": "cost_aware"}, timeout_s=0.2)
     assert b.start_at_entry("r", 0, keys("x"), eta_s=0.0, prefill_s_per_block=1e-4) is True
-    assert b.sessions.sizes()["open"] == 0 and b.get_stats()["degraded_calls"] >= 1
+    assert b.sessions.sizes()["open"] == 0 and b.stats()["degraded_calls"] >= 1
     b.close()

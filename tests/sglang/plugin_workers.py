@@ -246,5 +246,5 @@ def _prefetch_arm(rank, arm, spec, c, ctrl, host, backend, tokens, want, CacheRe
     data_ok = got == want[:len(got)]  # every page SGLang took is this rank's shard, bit-exact
     host.free(indices)
     return ArmResult(arm, rank, hit_tokens, completed, data_ok, free0, host.available_size(), view,
-                     backend.get_stats(), None)
+                     backend.stats(), None)
 

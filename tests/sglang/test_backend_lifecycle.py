@@ -145,7 +145,7 @@ def test_threads_started_and_ended_1000_times(sidecar_factory, instance, tmp_pat
     elapsed = time.monotonic() - t0
     slot_samples.append(my_slots(instance))
     assert b.flush_aborts(30.0)  # end's aborts go out on the backend's abort thread
-    st = b.get_stats()
+    st = b.stats()
     assert not wrong, wrong[:10]
     assert st["degraded_calls"] == 0, st
     cap = b.config.max_connections
@@ -189,7 +189,7 @@ def test_many_live_threads_share_a_bounded_pool(sidecar_factory, instance, tmp_p
         th.start()
     for th in ths:
         th.join(60)
-    st = b.get_stats()
+    st = b.stats()
     assert not wrong and st["degraded_calls"] == 0, (wrong, st)
     assert st["conn_connections"] <= b.config.max_connections and max(peak_slots) <= b.config.max_connections, st
     assert st["conn_peak_in_use"] <= b.config.max_connections and st["conn_wait_timeouts"] == 0, st
@@ -220,7 +220,7 @@ def test_scarce_slots_are_shared_and_exhaustion_is_reported(sidecar_factory, ins
         th.start()
     for th in ths:
         th.join(60)
-    st = b.get_stats()
+    st = b.stats()
     # the pool could not grow: the threads shared its one connection and nobody missed
     assert not wrong and st["degraded_calls"] == 0, (wrong, st)
     assert st["conn_connections"] == 1 and st["conn_slot_exhaustions"] >= 1, st
@@ -235,13 +235,13 @@ def test_scarce_slots_are_shared_and_exhaustion_is_reported(sidecar_factory, ins
     t0 = time.monotonic()
     assert b2.batch_get_v1(keys, indices(range(100, 108))) == [False] * CHAIN_PAGES
     assert time.monotonic() - t0 < 1.0  # a miss at once, not a wait
-    assert b2.get_stats()["degraded_calls"] >= 1 and b2.get_stats()["conn_slot_exhaustions"] >= 1
+    assert b2.stats()["degraded_calls"] >= 1 and b2.stats()["conn_slot_exhaustions"] >= 1
     lines = [r.getMessage() for r in caplog.records if "slots" in r.getMessage()]
     assert len(lines) == 1 and f"pid {ME} holds 3 (this process)" in lines[0], lines  # one line per outage
     assert b2.batch_get_v1(keys, indices(range(100, 108))) == [False] * CHAIN_PAGES
     assert len([r for r in caplog.records if "slots" in r.getMessage()]) == 1
     # the sidecar counted every refusal and says who holds the slots; so does the inspector
-    refused = st["conn_slot_exhaustions"] + b2.get_stats()["conn_slot_exhaustions"]
+    refused = st["conn_slot_exhaustions"] + b2.stats()["conn_slot_exhaustions"]
     view = wait_until(lambda: (lambda v: v if v["counters"].get("slot_exhaustions") == refused else None)(
         inspector.snapshot(instance)), 10, "the sidecar did not count the refusals")
     assert view["sidecar"]["slot_exhaustions"] == refused and view["sidecar"]["slots_in_use"] == 3
@@ -301,7 +301,7 @@ def test_controller_reset_20_times_keeps_slots_bounded(sidecar_factory, instance
             assert completed == n_pages * PAGE and token_bytes(host, idx) == want, (cycle, completed)
             host.free(idx)
             slots.append(my_slots(instance))
-        st = b.get_stats()
+        st = b.stats()
         assert len(names) == 20  # new threads every time
         assert max(slots) <= b.config.max_connections and slots[-1] <= max(slots[:3]), slots
         assert st["degraded_calls"] == 0 and st["conn_slot_exhaustions"] == 0, st
@@ -387,12 +387,12 @@ def test_sidecar_restarts_under_the_backend(sidecar_factory, instance, tmp_path)
         assert not any(th.is_alive() for th in ths)
         assert all(r[2] for r in results), "a page read back differs from what was written"
         assert max(r[3] for r in results) < 15.0, "a call took longer than its deadlines"
-        st = b.get_stats()
+        st = b.stats()
         assert st["conn_connections"] <= b.config.max_connections, st
         assert my_slots(instance) <= st["conn_connections"]
         assert_clean(books(b))
         results.clear()
-    st = b.get_stats()
+    st = b.stats()
     assert st["conn_slot_exhaustions"] == 0 and st["conn_attaches"] > st["conn_connections"], st
     b.close()
     wait_until(lambda: my_slots(instance) == 0, 5, "slots left after close")
@@ -452,7 +452,7 @@ def test_abort_storms(sidecar_factory, instance, tmp_path):
         running = {k: v for k, v in sess["by_state"].items() if k != "terminal" and v}
         assert not running and sess["outstanding_staging"] == 0 and sess["orphans"] == 0, sess
         terminal.append({k: v for k, v in sess.items() if k.startswith("terminal_")})
-    st = b.get_stats()
+    st = b.stats()
     assert st["degraded_calls"] == 0 and st["conn_slot_exhaustions"] == 0, st
     assert max(slots) <= b.config.max_connections and st["conn_connections"] <= b.config.max_connections, (slots, st)
     assert terminal[-1].get("terminal_aborted", 0) > 0, terminal  # the storms did cut running sessions

@@ -123,7 +123,7 @@ def test_four_threads_hammer_one_backend(sidecar_factory, instance, tmp_path):
     assert elapsed >= SECONDS
     assert total["wrong_bytes"] == 0 and total["wrong_replies"] == 0, total
     assert all(s["gets"] > 10 and s["sets"] > 0 for s in stats), stats
-    assert b.get_stats()["degraded_calls"] == 0
+    assert b.stats()["degraded_calls"] == 0
     assert b.flush_aborts(30.0)  # end's aborts go out on the backend's abort thread
     conns = b.conns.stats()
     # the pool: at most one connection per thread inside a call at once, never over the cap

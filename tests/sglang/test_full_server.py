@@ -62,7 +62,7 @@ def sidecar_overrides(tmp_path, **extra) -> dict:
 
 
 def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeline: bool = False,
-                 policy: str = "timeout"):
+                 policy: str = "timeout", extra_args: tuple = ()):
     """The sidecar and ``sglang.launch_server --device cpu`` (TP=2, HiCache, kvsidecar storage,
     SGLang's ``wait_complete``); with ``plugin`` the kvsidecar radix cache (``--radix-cache-backend
     kvsidecar``); without it SGLang does not load the plugin (``SGLANG_PLUGINS``) and kvsidecar runs
@@ -92,6 +92,7 @@ def start_server(instance, tmp_path, sidecar_over: dict, *, plugin: bool, timeli
     args += ["--hicache-storage-prefetch-policy", "wait_complete"]
     if plugin:
         args += ["--radix-cache-backend", "kvsidecar"]
+    args += list(extra_args)
     log_path = tmp_path / "server.log"
     log = open(log_path, "wb")
     t0 = time.monotonic()
@@ -145,8 +146,9 @@ def stop_server(proc, log, sc, instance, since: float) -> None:
 def server_factory(instance, tmp_path):
     started = []
 
-    def start(sidecar_over: dict, plugin: bool, timeline: bool = False, policy: str = "timeout"):
-        s = start_server(instance, tmp_path, sidecar_over, plugin=plugin, timeline=timeline, policy=policy)
+    def start(sidecar_over: dict, plugin: bool, timeline: bool = False, policy: str = "timeout", extra_args=()):
+        s = start_server(instance, tmp_path, sidecar_over, plugin=plugin, timeline=timeline, policy=policy,
+                         extra_args=extra_args)
         started.append(s)
         return s
 
@@ -357,13 +359,15 @@ def test_full_server_cost_aware_runs_no_storage_operation_that_cannot_pay(server
     to recompute it), a prompt only in L3 gets no SGLang storage operation on either rank: its
     timeline has the entry decision and no storage query, no storage tokens, the cold run's
     output, and its session ended as it started (``cost``, prefix 0).  A prompt resident in the
-    pool still goes through SGLang's storage on both ranks and is restored."""
+    pool still goes through SGLang's storage on both ranks and is restored.  The server runs with
+    ``--enable-metrics``: SGLang then reads the backend's storage metrics every iteration (a dict
+    there crashed its scheduler at the first one), and exports kvsidecar's backups and restores."""
     import random
 
     from scripts.sglang_timeline import parse_log
 
     over = sidecar_overrides(tmp_path, **{"l3.bandwidth_mbps": 2.0})
-    srv = server_factory(over, plugin=True, timeline=True, policy="cost_aware")
+    srv = server_factory(over, plugin=True, timeline=True, policy="cost_aware", extra_args=("--enable-metrics",))
     port = srv.port
     rng = random.Random(11)
     # the pooled prompt spans more than 128 pages: the entry's session must hold the very chain
@@ -398,3 +402,7 @@ def test_full_server_cost_aware_runs_no_storage_operation_that_cannot_pay(server
         skipped, hit = phases.get("again-l3", {}), phases.get("again-pool", {})
         assert skipped.get("entry_gate") and not skipped.get("storage_hit_query"), (rank, sorted(skipped))
         assert hit.get("entry_gate") and hit.get("storage_hit_query") and hit.get("page_transfer"), (rank, sorted(hit))
+    metrics = http(port, "/metrics", method="GET")
+    for name in ("sglang:backup_pgs_count", "sglang:prefetch_pgs_count"):
+        counts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{")]
+        assert counts and sum(counts) >= 1, (name, counts)

@@ -35,9 +35,9 @@ def host_pool(layout: str):
         write_back_staging=dev.hicache_write_back_staging)
 
 
-def storage_config(instance, rank=0, tp=1, mla=False, **extra):
+def storage_config(instance, rank=0, tp=1, mla=False, metrics=False, **extra):
     return HiCacheStorageConfig(tp_rank=rank, tp_size=tp, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False,
+                                is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=False,
                                 model_name="tiny-llama", extra_config={"instance": instance, "verify_loads": "all", **extra})
 
 
@@ -104,8 +104,39 @@ def test_miss_in_the_middle_and_partial_get(sidecar_factory, instance, tmp_path)
     res = b.batch_get_v1(ks[:12], page_indices(range(100, 112)))
     assert res == [True] * 8 + [False] * 4  # reported page by page
     assert page_bytes(pool, range(100, 108)) == page_bytes(pool, range(8))
-    stats = b.get_stats()
+    stats = b.stats()
     assert stats["get_pages_ok"] == 8 and stats["get_pages_missed"] == 4
+    b.close()
+
+
+def test_storage_metrics_are_sglangs_own_type_and_cleared_by_each_read(sidecar_factory, instance, tmp_path):
+    """With ``--enable-metrics`` SGLang calls ``get_stats()`` every scheduler iteration and hands
+    the result to its storage-metrics collector, which asserts a ``StorageMetrics`` (a dict there
+    crashed genuine SGLang's scheduler at its first iteration).  Each call hands over the pages and
+    GB/s of every batch_set ("backup") and batch_get ("prefetch") since the last, then clears
+    them; without metrics it is None.  kvsidecar's own counters are ``stats()``."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
+
+    pool = host_pool("layer_first")
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+    sidecar_factory(**sidecar_overrides(pool, tmp_path, **{"l3.backend": "none"}))
+    off = KvSidecarHiCacheStorage(storage_config(instance), {})
+    off.register_mem_pool_host(pool)
+    assert off.get_stats() is None and isinstance(off.stats(), dict)
+    off.close()
+    b = KvSidecarHiCacheStorage(storage_config(instance, metrics=True), {})
+    b.register_mem_pool_host(pool)
+    ks = keys(20, salt="m")
+    assert all(b.batch_set_v1(ks[:12], page_indices(range(12))))
+    assert all(b.batch_set_v1(ks[12:], page_indices(range(12, 20))))
+    assert b.batch_get_v1(ks[:16], page_indices(range(100, 116))) == [True] * 16
+    m = b.get_stats()
+    assert isinstance(m, StorageMetrics)
+    assert m.backup_pgs == [12, 8] and m.prefetch_pgs == [16]
+    assert len(m.backup_bandwidth) == 2 and all(x > 0 for x in m.backup_bandwidth + m.prefetch_bandwidth)
+    StorageMetricsCollector({"storage_backend": "kvsidecar"}).log_storage_metrics(m)  # SGLang's consumer takes it
+    assert b.get_stats() == StorageMetrics()  # handed over: cleared
+    assert b.stats()["set_pages_ok"] == 20 and b.stats()["get_pages_ok"] == 16
     b.close()
 
 

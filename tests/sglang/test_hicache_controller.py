@@ -142,7 +142,7 @@ def test_write_through_reset_prefetch_back(sidecar_factory, instance, tmp_path, 
         assert done
         got = page_bytes(host, pre.host_indices)
         assert got == want  # bit-exact on this layout
-        stats = ctrl.storage_backend.get_stats()
+        stats = ctrl.storage_backend.stats()
         assert stats["get_pages_ok"] == n_pages and stats["set_pages_ok"] == n_pages
     finally:
         ctrl.detach_storage_backend()
