@@ -10,16 +10,17 @@ nothing, and the request paid that cost for nothing: the first request of every 
 was the slow tail (p90) of the 8 Mbit/s row.
 
 So at queue entry (``prefetch_from_storage``, SGLang's scheduler thread, just before the request
-joins ``waiting_queue``) the plugin defers SGLang's call, and at the start of the next drain
-(``check_hicache_events``, the first thing the scheduler's next batch selection does, before
-any admission) the gate decides for every request deferred since the last one: each rank starts
-their sessions in one sidecar round (``start_at_entry_many``: the same chains and parameters as
-the queries SGLang's prefetch thread sends later, which join them) and the group agrees in one
-collective.  The sidecar's session machine decides as it starts (``CREATED -> TERMINAL`` when
-neither the resident prefix nor an L3 read can pay,
-:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`).  Batched because it holds the scheduler
-thread, and every request in the queue with it: one ask and one MAX per request cost 1.7-2.6 ms
-each (TP=2 CPU server), paid again by each request of a burst.
+joins ``waiting_queue``) the plugin defers SGLang's call.  At the start of the next drain
+(``check_hicache_events``, the first thing the scheduler's next batch selection does, before any
+admission) each rank asks for every request deferred since the last one in one sidecar round
+(:meth:`EntryGate.ask`, ``start_at_entry_many``: the same chains and parameters as the queries
+SGLang's prefetch thread sends later, which join them); the sidecar's session machine decides as
+each starts (``CREATED -> TERMINAL`` when neither the resident prefix nor an L3 read can pay,
+:func:`kvsidecar.sidecar.prefetch.cost.worth_querying`).  The group agrees without a collective of
+its own: the answers ride the drain's first TP collective (:meth:`EntryGate.ride`: SGLang's
+ready-count sync, a MIN every iteration), and after the drain :meth:`EntryGate.decide` makes the
+deferred calls the group keeps.  Why: the gate holds the scheduler thread, and every request in
+the queue with it; one ask and one MAX per request cost 1.7-2.6 ms each (TP=2 CPU server, 8 Mbit/s).
 
 Invariants:
 
@@ -28,10 +29,12 @@ Invariants:
   at all depends only on the call's arguments and the configuration (:func:`gate_applies`:
   identical on SPMD ranks), so every rank defers the same requests in the same order and flushes
   at the same point; each rank's own answers (its sidecar round, or "run it" when that fails)
-  then go through one collective MAX over the TP group, on the scheduler thread, with the radix
-  cache's own helper (``_all_reduce_attn_groups``: the thread and group of SGLang's own drains).
-  A rank that could not reach the sidecar can only make every rank run the operation, never
-  split them.
+  then go through one reduction over the TP group: riding SGLang's own drain collective (flags
+  "skip" under its MIN, "run" under a MAX, appended to its tensor and cut off again before SGLang
+  reads it), or, where the drain ran none, one MAX of the gate's own (the radix cache's
+  ``_all_reduce_attn_groups``: the thread and group of SGLang's own drains).  Every rank takes
+  the same branch: the drain's collectives are SPMD.  A rank that could not reach the sidecar can
+  only make every rank run the operation, never split them.
 * **A deferred call is made as SGLang would have made it**: with the arguments of the queue
   entry, before the drain and the admission that follow it (nothing between the entry and the
   flush writes, evicts or admits); a request aborted meanwhile is dropped (:meth:`EntryGate.drop`),
@@ -39,7 +42,7 @@ Invariants:
 * **Nothing that could be restored is skipped**: the answer is "skip" only for a session that
   ended as it started with no prefix (:meth:`KvSidecarHiCacheStorage.start_at_entry_many`).
 * **The gate never raises into SGLang** between the collective calls: the local answers are
-  computed under ``try`` (an error means "run it"), and the collective is always reached.
+  computed under ``try`` (an error means "run it"), and the reduction is always reached.
 * A session started here whose request SGLang then gives no operation (its own declines) and no
   retry is ended at once; a skipped request's session ended itself (terminal, nothing held).
 """
@@ -73,12 +76,23 @@ class Deferred:
         self.prefill_s_per_block, self.run, self.t_entry = prefill_s_per_block, run, t_entry
 
 
+class _Asked:
+    """The requests one drain decides: their entries, this rank's answers, the group's."""
+
+    __slots__ = ("entries", "mine", "t0", "t1", "op", "agreed", "t_agreed")
+
+    def __init__(self, entries, mine, t0, t1):
+        self.entries, self.mine, self.t0, self.t1 = entries, mine, t0, t1
+        self.op = self.agreed = self.t_agreed = None
+
+
 class EntryGate:
     """One rank's gate (built by the plugin for ``cost_aware`` with ``sessions.decide_at_entry``)."""
 
     def __init__(self, backend):
         self.backend = backend
         self._pending: dict = {}  # request handle -> Deferred, in SGLang's call order (SPMD)
+        self._asked: _Asked | None = None  # asked at this drain's start, decided at its end
         self.flushes = 0
 
     def _count(self, name: str) -> None:
@@ -137,31 +151,67 @@ class EntryGate:
         by_entry = {id(e): bool(a) for e, a in zip(asked, got)}
         return [by_entry.get(id(e), True) for e in entries]
 
-    def flush(self, cache) -> None:
-        """Decide for every deferred request (every rank, same point, same order): one sidecar
-        round, one collective, then SGLang's deferred calls for those the group runs."""
-        if not self._pending:
+    def ask(self) -> None:
+        """Start the sessions of every deferred request (every rank, at the start of the drain,
+        same order): one sidecar round.  Their agreement rides the drain's own collective
+        (:meth:`ride`), and :meth:`decide` acts on it."""
+        if not self._pending or self._asked is not None:
             return
-        import torch
-
         entries = list(self._pending.values())
         self._pending.clear()
-        self.flushes += 1
-        trace = self.backend.trace
         t0 = time.perf_counter()
-        mine = self.local_answers(entries)
-        t1 = time.perf_counter()
-        agreed = mine
-        if getattr(cache, "tp_world_size", 1) > 1:
-            flags = torch.tensor([int(m) for m in mine], dtype=torch.int)
-            cache._all_reduce_attn_groups(flags, torch.distributed.ReduceOp.MAX)
-            agreed = [bool(x) for x in flags.tolist()]
-        t2 = time.perf_counter()
-        if trace is not None:  # the round and the group's agreement, once per flush
-            batch = f"entry:{len(entries)}:{entries[0].request.rid}"
-            trace(batch, "entry_ask", t0, t1)
-            trace(batch, "entry_agree", t1, t2)
-        for e, run, own in zip(entries, agreed, mine):
+        self._asked = _Asked(entries, self.local_answers(entries), t0, time.perf_counter())
+
+    def ride(self, op):
+        """The flags the asked requests' agreement adds to a collective with ``op`` (this rank's
+        answers: "skip" under MIN, "run" under MAX), or None: nothing asked, agreed already, or
+        another reduction.  Called by the cache's collective on the scheduler thread."""
+        import torch
+
+        asked = self._asked
+        if asked is None or asked.agreed is not None:
+            return None
+        if op == torch.distributed.ReduceOp.MIN:
+            asked.op = "min"
+            return torch.tensor([0 if run else 1 for run in asked.mine])
+        if op == torch.distributed.ReduceOp.MAX:
+            asked.op = "max"
+            return torch.tensor([1 if run else 0 for run in asked.mine])
+        return None
+
+    def rode(self, values) -> None:
+        """The group's reduction of :meth:`ride`'s flags: run unless every rank said skip."""
+        asked = self._asked
+        flags = [int(x) for x in values.tolist()]
+        asked.agreed = [f == 0 for f in flags] if asked.op == "min" else [f == 1 for f in flags]
+        asked.t_agreed = time.perf_counter()
+
+    def decide(self, cache) -> None:
+        """Act on the agreement (every rank): SGLang's deferred call for each request the group
+        runs, the end of each skipped one's session.  Where no collective carried the flags (a
+        drain without one), the group agrees here, in one MAX of its own."""
+        asked, self._asked = self._asked, None
+        if asked is None:
+            return
+        self.flushes += 1
+        agree = "entry_agree"  # the flags rode SGLang's collective (the time between: its drain)
+        if asked.agreed is None:
+            agree = "entry_agree_own"
+            asked.agreed = asked.mine
+            if getattr(cache, "tp_world_size", 1) > 1:
+                import torch
+
+                flags = torch.tensor([int(m) for m in asked.mine], dtype=torch.int)
+                cache._all_reduce_attn_groups(flags, torch.distributed.ReduceOp.MAX)
+                asked.agreed = [bool(x) for x in flags.tolist()]
+                self._count("own_collectives")
+            asked.t_agreed = time.perf_counter()
+        trace = self.backend.trace
+        if trace is not None:  # the round, and the group's agreement (SGLang's drain in between)
+            batch = f"entry:{len(asked.entries)}:{asked.entries[0].request.rid}"
+            trace(batch, "entry_ask", asked.t0, asked.t1)
+            trace(batch, agree, asked.t1, asked.t_agreed)
+        for e, run, own in zip(asked.entries, asked.agreed, asked.mine):
             if run:
                 if not own:
                     self._count("kept_by_group")  # another rank's sidecar answer (or failure) kept it
@@ -169,8 +219,8 @@ class EntryGate:
             else:
                 self._count("skipped")
                 self.backend.end(e.request.rid, e.request.attempt_id)  # (terminal already: unregisters it)
-            if trace is not None:  # the request's wait from its entry to the group's decision
-                trace(e.request.rid, "entry_gate", e.t_entry, t2)
+            if trace is not None:  # the request's wait from its entry to its decision
+                trace(e.request.rid, "entry_gate", e.t_entry, asked.t_agreed)
 
     def after_prefetch(self, cache, request) -> None:
         """After SGLang's own ``prefetch_from_storage``: a request it gave no operation and no

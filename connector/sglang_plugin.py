@@ -15,8 +15,8 @@ point ``kvsidecar = kvsidecar.connector.sglang_plugin:load`` (installed with kvs
    ======================================================  ==================================
    queue entry (``prefetch_from_storage``); cost_aware:     ``prefetch`` with the first ETA
    SGLang's call deferred to the next drain, where the      (one round for the iteration's
-   TP group agrees (one MAX) whether to run each            requests); nothing to restore: no
-   (:mod:`.sglang_entry`)                                   SGLang operation (ended, ``cost``)
+   TP group agrees (riding SGLang's own collective)         requests); nothing to restore: no
+   whether to run each (:mod:`.sglang_entry`)               SGLang operation (ended, ``cost``)
    prefetch thread ``batch_exists`` (whole tail chain)      ``prefetch`` (rid, full chain,
                                                             policy / chunk / budget; joins the
                                                             entry's session) + ``wait`` for the
@@ -188,10 +188,13 @@ def radix_cache_class():
             drains finished (its pages joined the tree, it left ``ongoing_prefetch`` without
             passing ``check_prefetch_progress``) has its session ended here."""
             kvs = self._kvs
-            if self._kvs_entry is not None:  # the requests received since the last drain (every rank)
-                self._kvs_entry.flush(self)
+            entry = self._kvs_entry
+            if entry is not None:  # the requests received since the last drain (every rank): asked now,
+                entry.ask()  # agreed in the drain's own collective (_all_reduce_attn_groups), decided after it
             before = list(self.ongoing_prefetch) if kvs is not None else ()
             super().check_hicache_events()
+            if entry is not None:
+                entry.decide(self)
             if self._kvs_settle is not None:
                 self._kvs_settle.settle(self, admissible_now(self._kvs_scheduler))
             for request in before:
@@ -221,6 +224,22 @@ def radix_cache_class():
                 return None  # (SGLang's callers do not use the answer)
             return super().prefetch_from_storage(request, last_host_node_id, new_input_tokens, last_hash,
                                                  *args, **kwargs)
+
+        def _all_reduce_attn_groups(self, tensor, op):
+            """SGLang's TP collective; the entry gate's flags ride the first one of a drain (its
+            ready-count sync, every iteration on every rank) instead of a collective of their own."""
+            entry = self._kvs_entry
+            extra = entry.ride(op) if entry is not None else None
+            if extra is None:
+                return super()._all_reduce_attn_groups(tensor, op)
+            import torch
+
+            n = tensor.numel()
+            both = torch.cat([tensor.reshape(-1), extra.to(tensor.dtype)])
+            super()._all_reduce_attn_groups(both, op)
+            tensor.copy_(both[:n].reshape(tensor.shape))
+            entry.rode(both[n:])
+            return None
 
         def check_prefetch_progress(self, request) -> bool:
             kvs = self._kvs

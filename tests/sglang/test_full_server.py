@@ -402,6 +402,10 @@ def test_full_server_cost_aware_runs_no_storage_operation_that_cannot_pay(server
         skipped, hit = phases.get("again-l3", {}), phases.get("again-pool", {})
         assert skipped.get("entry_gate") and not skipped.get("storage_hit_query"), (rank, sorted(skipped))
         assert hit.get("entry_gate") and hit.get("storage_hit_query") and hit.get("page_transfer"), (rank, sorted(hit))
+        # the group agreed on each request in SGLang's own drain collective, none in one of its own
+        batches = {rid: p for rid, p in phases.items() if rid.startswith("entry:")}
+        assert any(rid.endswith(":again-l3") for rid in batches) and any(rid.endswith(":again-pool") for rid in batches)
+        assert all("entry_agree" in p and "entry_agree_own" not in p for p in batches.values()), (rank, batches)
     metrics = http(port, "/metrics", method="GET")
     for name in ("sglang:backup_pgs_count", "sglang:prefetch_pgs_count"):
         counts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{")]

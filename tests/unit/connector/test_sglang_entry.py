@@ -82,31 +82,72 @@ def _defer(g, cache, rids, ran):
     return handles
 
 
-def test_the_requests_of_one_iteration_are_decided_in_one_round_and_one_collective():
+def _drain(g, cache, others_skip=None):
+    """One drain as the plugin runs it: ask, SGLang's ready-count sync (a MIN over the group, the
+    other rank's "skip" flags ``others_skip`` riding it), then the decisions."""
+    import torch
+
+    g.ask()
+    extra = g.ride(torch.distributed.ReduceOp.MIN)
+    if extra is not None:
+        flags = extra.tolist() if others_skip is None else [min(a, b) for a, b in zip(extra.tolist(), others_skip)]
+        cache.collectives.append(("sglang-min", extra.tolist()))
+        g.rode(torch.tensor(flags))
+    g.decide(cache)
+
+
+def test_the_requests_of_one_iteration_are_decided_in_one_round_riding_sglangs_collective():
     g, ran = _gate({"a": False, "b": True, "c": False}), []
     cache = _Cache(others=[0, 0, 0])
     _defer(g, cache, ["a", "b", "c"], ran)
     assert ran == [] and g.backend.asked == [] and g.pending == 3  # nothing before the drain
-    g.flush(cache)
-    assert g.backend.asked == [["a", "b", "c"]] and cache.collectives == [[0, 1, 0]]
+    _drain(g, cache, others_skip=[1, 1, 1])
+    assert g.backend.asked == [["a", "b", "c"]] and cache.collectives == [("sglang-min", [1, 0, 1])]
     assert ran == ["b"] and g.backend.ended == [("a", 2), ("c", 2)] and g.pending == 0
     assert g.backend.counts == {"entry_asked": 3, "entry_skipped": 2}
-    g.flush(cache)  # nothing deferred: no round, no collective (every rank alike)
+    _drain(g, cache)  # nothing deferred: no round, nothing rides (every rank alike)
     assert len(g.backend.asked) == 1 and len(cache.collectives) == 1
 
 
 def test_another_ranks_run_keeps_the_operation_on_every_rank():
     g, ran = _gate({"a": False, "b": False}), []
-    cache = _Cache(others=[1, 0])  # the other rank's sidecar answer (or failure) said run for "a"
+    cache = _Cache(others=[1, 0])
     _defer(g, cache, ["a", "b"], ran)
-    g.flush(cache)
+    _drain(g, cache, others_skip=[0, 1])  # the other rank's sidecar answer (or failure) said run for "a"
     assert ran == ["a"] and g.backend.ended == [("b", 2)] and g.backend.counts["entry_kept_by_group"] == 1
+
+
+def test_without_a_collective_to_ride_the_group_agrees_in_its_own():
+    import torch
+
+    g, ran = _gate({"a": False, "b": False}), []
+    cache = _Cache(others=[1, 0])
+    _defer(g, cache, ["a", "b"], ran)
+    g.ask()
+    assert g.ride(torch.distributed.ReduceOp.SUM) is None  # not a reduction the flags can ride
+    g.decide(cache)
+    assert cache.collectives == [[0, 0]] and ran == ["a"] and g.backend.counts["entry_own_collectives"] == 1
+    assert g.ride(torch.distributed.ReduceOp.MAX) is None  # decided: nothing rides later collectives
+
+
+def test_flags_ride_a_max_as_run():
+    import torch
+
+    g, ran, cache = _gate({"a": False, "b": True}), [], _Cache(others=[0, 0])
+    _defer(g, cache, ["a", "b"], ran)
+    g.ask()
+    extra = g.ride(torch.distributed.ReduceOp.MAX)
+    assert extra.tolist() == [0, 1]
+    g.rode(torch.tensor([1, 1]))  # another rank runs "a"
+    g.decide(cache)
+    assert ran == ["a", "b"] and cache.collectives == []
 
 
 def test_a_failing_round_runs_every_operation():
     g, ran = _gate(RuntimeError("boom")), []
-    _defer(g, _Cache(), ["a", "b"], ran)
-    g.flush(_Cache())
+    cache = _Cache()
+    _defer(g, cache, ["a", "b"], ran)
+    _drain(g, cache)
     assert ran == ["a", "b"] and g.backend.ended == [] and g.backend.counts["entry_errors"] == 1
 
 
@@ -121,7 +162,7 @@ def test_a_request_without_keys_runs_its_operation_and_is_not_asked_about():
     g.keys = keys
     g.defer(cache, _Handle("a"), [1] * 7, None, None, None, None, None, lambda: ran.append("a"))
     g.defer(cache, _Handle("b"), [1] * 32, None, None, None, None, None, lambda: ran.append("b"))
-    g.flush(cache)
+    _drain(g, cache)
     assert g.backend.asked == [["b"]] and ran == ["a"] and g.backend.ended == [("b", 0)]
     assert g.backend.counts["entry_errors"] == 1
 
@@ -130,19 +171,17 @@ def test_a_request_aborted_before_its_decision_is_dropped_unasked():
     g, ran, cache = _gate({"a": True, "b": True}), [], _Cache()
     a, _b = _defer(g, cache, ["a", "b"], ran)
     assert g.drop(a) is True and g.drop(a) is False
-    g.flush(cache)
+    _drain(g, cache)
     assert g.backend.asked == [["b"]] and ran == ["b"] and g.backend.counts["entry_dropped"] == 1
 
 
 def test_the_same_request_deferred_twice_is_decided_once():
     g, ran, cache = _gate({"a": True}), [], _Cache()
-    _defer(g, cache, ["a"], ran)
-    _defer(g, cache, ["a"], ran)  # a fresh handle for the same rid is another SGLang request
     h = _Handle("a", 2)
     g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h1"))
     g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h2"))
-    g.flush(cache)
-    assert ran.count("h1") + ran.count("h2") == 1 and ran[-1] == "h2"
+    _drain(g, cache)
+    assert ran == ["h2"]
 
 
 def test_after_sglangs_own_decline_the_entry_session_is_ended_unless_a_retry_is_armed():
