@@ -309,9 +309,11 @@ class _Rank:
             status, events = view.get("status", "none"), view.get("events")
         self.ad.commit_restore(rid)
         self.ad.store_after_prefill(rid, toks, pages, run["step"])
+        m["stored"] = time.monotonic()  # this rank's commit answered (the group's: the last rank's)
         self.checking.append((run["check"], pages))  # freed once checked (reap)
         self.reap()
         out = {"req": rid, "ttft_ms": ttft * 1e3, "queue_ms": (m["admit"] - t0 - arr) * 1e3,
+               "stored_ms": (m["stored"] - t0 - arr) * 1e3,
                "restored_tokens": slot.tokens, "recomputed_tokens": run["compute_tokens"], "tokens": len(toks),
                "prefill_ms": (t_end - m["prefill_start"]) * 1e3, "load_ms": (m["loaded"] - m["got"]) * 1e3,
                "sim_overhead_ms": run["over"] * 1e3, "status": status}

@@ -84,6 +84,10 @@ class SimParams:
     wake_s: float = 0.0  # a queued request's session ended, the engine idle -> its next scan (calibration)
     turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
     skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
+    # a prefill's end -> its blocks published (every rank's store committed; calibration): a GET
+    # before then does not see them (measured at TP 4 on 2 cores: a request admitted 2 ms after
+    # the first of its prefix ended recomputed its 2,048 tokens)
+    publish_s: float = 0.0
     calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
     read_with_query: bool = True  # sessions.read_with_query (the sidecar's default: on)
     # the read lane's thread takes a job up only once the control thread has finished its batch
@@ -332,9 +336,15 @@ class Engine:
                 pos = st["start"] + j
                 self.contents[b] = r.chain[pos * KEY:(pos + 1) * KEY]
                 self.source[b] = "engine"
-            for c in self.ranks:
-                self.core.op_commit(c, {"staging": st["staging"]})
+            if self.p.publish_s > 0:  # every rank's commit lands publish_s after the prefill's end
+                self.loop.call_at(self.loop.t + self.p.publish_s, self._commit, st["staging"])
+            else:
+                self._commit(st["staging"])
         self._arm_step(self.p.turnaround_s)
+
+    def _commit(self, staging: int) -> None:
+        for c in self.ranks:
+            self.core.op_commit(c, {"staging": staging})
 
     # -- the run -----------------------------------------------------------------------------------------
     def run(self) -> dict:

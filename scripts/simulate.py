@@ -96,6 +96,11 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
         if first["done"] is not None:
             waiting -= 1
             first["done"]["rank_skew_ms"] = skews.pop(first["done"]["req"], 0.0)
+            # its blocks are published once every rank's store committed: the last rank's
+            stored = max(r["done"]["stored_ms"] for r in replies if r["done"])
+            first["done"]["stored_ms"] = stored
+            if "timeline" in first["done"]:
+                first["done"]["timeline"]["stored"] = round(stored, 3)
             results.append(first["done"])
             busy_until = None
         if first["admitted"] is not None:

@@ -40,12 +40,14 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
     * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms);
     * ``admit_s``: the GET's round trip;
     * ``skew_s``: the group's prefill ending after rank 0's (its slowest rank's: ``rank_skew_ms``);
+    * ``publish_s``: a prefill's end -> its blocks published (the last rank's store committed;
+      0 for a table run from before it was measured);
     * ``turnaround_s`` (with ``arrivals``, ``{req: arrival_s}``): a prefill's end -> the next
       admission of a request already queued, less ``scan_s`` (the engine noticing the end, the
       finished request's store, the next scan), within 10 ms.
 
     ``arm``: that arm's own requests (a cost it has no sample of: every arm's); None: all arms."""
-    keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s")
+    keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "publish_s")
     samples = {k: ([], []) for k in keys}
     for name, a in run["arms"].items():
         mine = arm is None or name == arm
@@ -68,6 +70,8 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
                 got["admit_s"] = t["got"] - t["admit"]
             if "rank_skew_ms" in r:
                 got["skew_s"] = r["rank_skew_ms"]
+            if "stored" in t and "prefill_end" in t:
+                got["publish_s"] = max(0.0, t["stored"] - t["prefill_end"])
             if {"candidate", "admit", "entered"} <= t.keys():
                 first_scan = t["admit"] - t["candidate"] < 0.1
                 if first_scan and t["admit"] - t["entered"] < 5.0:
@@ -77,7 +81,7 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
             for k, v in got.items():
                 samples[k][0 if mine else 1].append(v / 1e3)
     defaults = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0, "turnaround_s": 0.0,
-                "skew_s": 0.0}
+                "skew_s": 0.0, "publish_s": 0.0}
     out = {k: _median(own or other, defaults[k]) for k, (own, other) in samples.items()}
     out["turnaround_s"] = max(0.0, out["turnaround_s"] - out["scan_s"])
     return out
@@ -112,7 +116,8 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11) -> dict:
         arm_kw = {k: v for k, v in kw.items() if k != "budget_s"} if kw else None  # (the row's chunk size)
         fixed = fixed_costs(row["timeline_trial"], arm, arrivals)
         pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s), meta_latency_s=fixed["query_s"],
-                                 **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s")})
+                                 **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s",
+                                                          "publish_s")})
         res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
         out[arm] = [r["ttft_s"] * 1e3 for r in res["results"]]
     return out

@@ -47,6 +47,23 @@ def test_a_request_whose_prefetch_runs_is_skipped_not_waited_on():
     assert out["results"][1]["hit_l3"] > 0
 
 
+@pytest.mark.parametrize("publish_s, hit", [(0.0, True), (0.005, False)])
+def test_a_request_admitted_before_its_prefix_is_published_recomputes_it(publish_s, hit):
+    """Two requests of one prefix, the second queued behind the first: it is admitted
+    ``turnaround_s`` after the first's prefill ends, and finds the prefix in the pool only if the
+    first's store was published by then (``publish_s``: every rank's commit; measured at TP 4
+    on 2 cores to lose one such hit)."""
+    p = sv.SimParams(tp=2, prefix_tokens=2048, turnaround_s=0.001, publish_s=publish_s)
+    prefix = [sv._key("p", j) for j in range(32)]
+    a, b = (b"".join(prefix + [sv._key(name, 0)]) for name in ("a", "b"))
+    e = sv.Engine(p, "no_prefetch", [(0.0, "r0", a), (0.001, "r1", b)], arm_kw=None)
+    e.l3.holds.clear()  # nothing in L3: only the first request's store can serve the second
+    out = e.run()
+    second = out["results"][1]
+    assert second["req"] == "r1" and second["hit_pool"] == (32 if hit else 0), second
+    assert out["books"] == "ok" and out["leases_left"] == 0 and out["staging_left"] == 0 and out["corrupt"] == 0
+
+
 def test_cost_aware_meets_its_bounds_on_a_small_sweep_row():
     for ratio in (0.4, 1.7):
         p = sv.SimParams(tp=2, prefix_tokens=4096, requests=24, n_prefixes=12, load=0.8, l3_ratio=ratio, seed=5)
