@@ -27,7 +27,7 @@ Invariants:
 * **Every rank takes the same decision**: SGLang's storage drains are collective, so a request
   with an operation on one rank and none on another would hang the group.  Whether the gate runs
   at all depends only on the call's arguments and the configuration (:func:`gate_applies`:
-  identical on SPMD ranks), so every rank defers the same requests in the same order and flushes
+  identical on SPMD ranks), so every rank defers the same requests in the same order and decides them
   at the same point; each rank's own answers (its sidecar round, or "run it" when that fails)
   then go through one reduction over the TP group: riding SGLang's own drain collective (flags
   "skip" under its MIN, "run" under a MAX, appended to its tensor and cut off again before SGLang
@@ -36,9 +36,11 @@ Invariants:
   the same branch: the drain's collectives are SPMD.  A rank that could not reach the sidecar can
   only make every rank run the operation, never split them.
 * **A deferred call is made as SGLang would have made it**: with the arguments of the queue
-  entry, before the drain and the admission that follow it (nothing between the entry and the
-  flush writes, evicts or admits); a request aborted meanwhile is dropped (:meth:`EntryGate.drop`),
-  and nothing was started for it.
+  entry, after the drain that decides it and before the admission that follows.  The drain may
+  allocate host memory (backups, storage hits) and so evict: the plugin holds the request's
+  anchor node (a host lock, taken at entry) until SGLang's own call has taken its lock, or until
+  the request is skipped or dropped, so what the entry matched is still there.  A request aborted
+  before its decision is dropped (:meth:`EntryGate.drop`): nothing was started for it.
 * **Nothing that could be restored is skipped**: the answer is "skip" only for a session that
   ended as it started with no prefix (:meth:`KvSidecarHiCacheStorage.start_at_entry_many`).
 * **The gate never raises into SGLang** between the collective calls: the local answers are
@@ -67,13 +69,15 @@ def gate_applies(n_new_tokens: int, page_size: int, threshold: int, storage_hit_
 
 class Deferred:
     """One request's deferred ``prefetch_from_storage``: its keys (None when they could not be
-    built: the operation then runs) and ``run()``, SGLang's call with the entry's arguments."""
+    built: the operation then runs), ``run()``, SGLang's call with the entry's arguments (it lets
+    the entry's hold on the anchor go once SGLang's call took its own), and ``release()``, that
+    hold's end for a request that gets no call (skipped, or aborted before its decision)."""
 
-    __slots__ = ("request", "keys", "eta_s", "prefill_s_per_block", "run", "t_entry")
+    __slots__ = ("request", "keys", "eta_s", "prefill_s_per_block", "run", "release", "t_entry")
 
-    def __init__(self, request, keys, eta_s, prefill_s_per_block, run, t_entry):
+    def __init__(self, request, keys, eta_s, prefill_s_per_block, run, release, t_entry):
         self.request, self.keys, self.eta_s = request, keys, eta_s
-        self.prefill_s_per_block, self.run, self.t_entry = prefill_s_per_block, run, t_entry
+        self.prefill_s_per_block, self.run, self.release, self.t_entry = prefill_s_per_block, run, release, t_entry
 
 
 class _Asked:
@@ -93,7 +97,7 @@ class EntryGate:
         self.backend = backend
         self._pending: dict = {}  # request handle -> Deferred, in SGLang's call order (SPMD)
         self._asked: _Asked | None = None  # asked at this drain's start, decided at its end
-        self.flushes = 0
+        self.drains = 0  # drains that decided something
 
     def _count(self, name: str) -> None:
         self.backend._count(f"entry_{name}")  # in the backend's stats()
@@ -116,8 +120,9 @@ class EntryGate:
         return len(self._pending)
 
     def defer(self, cache, request, new_input_tokens, last_hash, extra_key, cache_salt,
-              eta_s, prefill_s_per_block, run) -> None:
-        """Hold the request's storage operation (``run()``) until the next :meth:`flush`."""
+              eta_s, prefill_s_per_block, run, release=lambda: None) -> None:
+        """Hold the request's storage operation (``run()``) until the next drain decides it
+        (:meth:`ask`, then :meth:`decide`)."""
         self._count("asked")
         t0 = time.perf_counter()
         try:
@@ -128,12 +133,17 @@ class EntryGate:
             keys = None
         if self.backend.trace is not None:
             self.backend.trace(request.rid, "entry_keys", t0, time.perf_counter())
-        self._pending[request] = Deferred(request, keys, eta_s, prefill_s_per_block, run, t0)
+        old = self._pending.pop(request, None)
+        if old is not None:  # (deferred again before its decision: the newer call stands)
+            old.release()
+        self._pending[request] = Deferred(request, keys, eta_s, prefill_s_per_block, run, release, t0)
 
     def drop(self, request) -> bool:
         """The request left before its decision (aborted in the queue): forget its deferred call."""
-        if self._pending.pop(request, None) is None:
+        e = self._pending.pop(request, None)
+        if e is None:
             return False
+        e.release()
         self._count("dropped")
         return True
 
@@ -193,7 +203,7 @@ class EntryGate:
         asked, self._asked = self._asked, None
         if asked is None:
             return
-        self.flushes += 1
+        self.drains += 1
         agree = "entry_agree"  # the flags rode SGLang's collective (the time between: its drain)
         if asked.agreed is None:
             agree = "entry_agree_own"
@@ -218,6 +228,7 @@ class EntryGate:
                 e.run()
             else:
                 self._count("skipped")
+                e.release()
                 self.backend.end(e.request.rid, e.request.attempt_id)  # (terminal already: unregisters it)
             if trace is not None:  # the request's wait from its entry to its decision
                 trace(e.request.rid, "entry_gate", e.t_entry, asked.t_agreed)

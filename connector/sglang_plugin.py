@@ -214,13 +214,22 @@ def radix_cache_class():
             gate = self._kvs_entry
             if gate is not None and self.enable_storage and gate_applies(
                     len(new_input_tokens), self.page_size, self.prefetch_threshold, kwargs.get("storage_hit_end")):
-                def run():  # at the gate's flush, if the group runs it: SGLang's call as it was
-                    super(KvSidecarRadixCache, self).prefetch_from_storage(
-                        request, last_host_node_id, new_input_tokens, last_hash, *args, **kwargs)
+                # the anchor stays until the decision: the drain before it may evict host nodes
+                hold = self.inc_host_lock_ref(last_host_node_id).to_dec_params()
+
+                def release():
+                    self.dec_host_lock_ref(last_host_node_id, hold)
+
+                def run():  # after the next drain, if the group runs it: SGLang's call as it was
+                    try:
+                        super(KvSidecarRadixCache, self).prefetch_from_storage(
+                            request, last_host_node_id, new_input_tokens, last_hash, *args, **kwargs)
+                    finally:
+                        release()  # (SGLang's call holds the anchor itself from here)
                     gate.after_prefetch(self, request)
 
                 gate.defer(self, request, new_input_tokens, last_hash, kwargs.get("extra_key"),
-                           kwargs.get("cache_salt"), eta_s, per_block, run)
+                           kwargs.get("cache_salt"), eta_s, per_block, run, release)
                 return None  # (SGLang's callers do not use the answer)
             return super().prefetch_from_storage(request, last_host_node_id, new_input_tokens, last_hash,
                                                  *args, **kwargs)

@@ -75,10 +75,13 @@ def _gate(answer):
     return g
 
 
-def _defer(g, cache, rids, ran):
+def _defer(g, cache, rids, ran, released=None):
+    """Defers each request; ``ran`` gets the rids whose SGLang call ran, ``released`` those whose
+    anchor hold ended without one (skipped or dropped)."""
     handles = [_Handle(rid, 2) for rid in rids]
     for h in handles:
-        g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda h=h: ran.append(h.rid))
+        g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda h=h: ran.append(h.rid),
+                (lambda h=h: released.append(h.rid)) if released is not None else (lambda: None))
     return handles
 
 
@@ -97,13 +100,14 @@ def _drain(g, cache, others_skip=None):
 
 
 def test_the_requests_of_one_iteration_are_decided_in_one_round_riding_sglangs_collective():
-    g, ran = _gate({"a": False, "b": True, "c": False}), []
+    g, ran, released = _gate({"a": False, "b": True, "c": False}), [], []
     cache = _Cache(others=[0, 0, 0])
-    _defer(g, cache, ["a", "b", "c"], ran)
+    _defer(g, cache, ["a", "b", "c"], ran, released)
     assert ran == [] and g.backend.asked == [] and g.pending == 3  # nothing before the drain
     _drain(g, cache, others_skip=[1, 1, 1])
     assert g.backend.asked == [["a", "b", "c"]] and cache.collectives == [("sglang-min", [1, 0, 1])]
     assert ran == ["b"] and g.backend.ended == [("a", 2), ("c", 2)] and g.pending == 0
+    assert released == ["a", "c"]  # the skipped ones' anchor holds end (the run one's: in its call)
     assert g.backend.counts == {"entry_asked": 3, "entry_skipped": 2}
     _drain(g, cache)  # nothing deferred: no round, nothing rides (every rank alike)
     assert len(g.backend.asked) == 1 and len(cache.collectives) == 1
@@ -168,20 +172,21 @@ def test_a_request_without_keys_runs_its_operation_and_is_not_asked_about():
 
 
 def test_a_request_aborted_before_its_decision_is_dropped_unasked():
-    g, ran, cache = _gate({"a": True, "b": True}), [], _Cache()
-    a, _b = _defer(g, cache, ["a", "b"], ran)
-    assert g.drop(a) is True and g.drop(a) is False
+    g, ran, released, cache = _gate({"a": True, "b": True}), [], [], _Cache()
+    a, _b = _defer(g, cache, ["a", "b"], ran, released)
+    assert g.drop(a) is True and g.drop(a) is False and released == ["a"]
     _drain(g, cache)
     assert g.backend.asked == [["b"]] and ran == ["b"] and g.backend.counts["entry_dropped"] == 1
+    assert released == ["a"]
 
 
 def test_the_same_request_deferred_twice_is_decided_once():
     g, ran, cache = _gate({"a": True}), [], _Cache()
-    h = _Handle("a", 2)
-    g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h1"))
-    g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h2"))
+    h, released = _Handle("a", 2), []
+    g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h1"), lambda: released.append("h1"))
+    g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h2"), lambda: released.append("h2"))
     _drain(g, cache)
-    assert ran == ["h2"]
+    assert ran == ["h2"] and released == ["h1"]  # the first call's hold ended when it was replaced
 
 
 def test_after_sglangs_own_decline_the_entry_session_is_ended_unless_a_retry_is_armed():
