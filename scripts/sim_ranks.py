@@ -230,6 +230,12 @@ class _Rank:
             out["end"] = self.running["end"]
         return out
 
+    def finish(self, t0: float, end: float) -> dict:
+        """The running prefill ended at ``end`` (the group's, its slowest rank's): complete it,
+        its store committed, before the next scan."""
+        self.running["end"] = end
+        return self.complete(t0)
+
     def wait_ready(self, budget_s: float) -> bool:
         """The leader's wake-up while nothing queued is ready and the device is free: until the
         first queued request still prefetching ends, at most ``budget_s`` (False: none is)."""
@@ -349,6 +355,9 @@ def rank_main(rank: int, conn) -> None:
                 continue
             if msg[0] == "check":  # (no answer: the leader goes on)
                 r.start_check()
+                continue
+            if msg[0] == "complete":  # the group's prefill ended at msg[2]: finish and store it
+                conn.send(r.finish(msg[1], msg[2]))
                 continue
             _, step, arrivals, t0, busy_until = msg
             conn.send(r.step(step, arrivals, t0, busy_until))

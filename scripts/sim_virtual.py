@@ -84,9 +84,9 @@ class SimParams:
     wake_s: float = 0.0  # a queued request's session ended, the engine idle -> its next scan (calibration)
     turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
     skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
-    # a prefill's end -> its blocks published (every rank's store committed; calibration): a GET
-    # before then does not see them (measured at TP 4 on 2 cores: a request admitted 2 ms after
-    # the first of its prefix ended recomputed its 2,048 tokens)
+    # a prefill's end -> its blocks published (every rank's store committed; calibration).  The
+    # engine scans again only once they are (the real ranks complete and store a prefill before
+    # any scans: a scan that raced the last rank's commit lost the hit on a 0.2 ms coin flip)
     publish_s: float = 0.0
     calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
     read_with_query: bool = True  # sessions.read_with_query (the sidecar's default: on)
@@ -340,7 +340,7 @@ class Engine:
                 self.loop.call_at(self.loop.t + self.p.publish_s, self._commit, st["staging"])
             else:
                 self._commit(st["staging"])
-        self._arm_step(self.p.turnaround_s)
+        self._arm_step(max(self.p.turnaround_s, self.p.publish_s))  # (a timer at the same time runs after)
 
     def _commit(self, staging: int) -> None:
         for c in self.ranks:

@@ -20,6 +20,7 @@ def test_quick_real_process_run_has_timelines_bounds_and_exact_data():
             order = [t["entered"], t["admit"], t["got"], t["loaded"], t["prefill_start"], t["prefill_end"]]
             assert order == sorted(order), (arm, t)
             assert abs(t["prefill_end"] - r["ttft_ms"]) < 1e-3 * max(1.0, r["ttft_ms"])
+            assert t["stored"] >= t["prefill_end"] and abs(r["stored_ms"] - t["stored"]) < 1e-3  # every rank's commit
         g = a["gap"]
         assert g["n"] == 8 and set(g["gap"]) == set(PHASES)
     ca = res["arms"]["cost_aware"]["results"]
