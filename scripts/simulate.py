@@ -57,6 +57,18 @@ STEP_S = 0.002  # one scheduler loop iteration while nothing is ready
 _pct = percentile  # (the nearest-rank quantile every benchmark shares: scripts.common)
 
 
+def _ask_ranks(pipes, msg, timeout_s: float = 300.0) -> list:
+    """``msg`` to every rank, then every rank's answer (each wait bounded)."""
+    for a in pipes:
+        a.send(msg)
+    replies = []
+    for a in pipes:
+        if not a.poll(timeout_s):
+            raise RuntimeError("a simulator rank stopped answering")
+        replies.append(a.recv())
+    return replies
+
+
 def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
     """The leader: drive the ranks (``pool``, or ``tp`` fresh ones) one SPMD step at a time."""
     if pool is None:
@@ -88,11 +100,7 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
             # admission sees what the prefill computed, as an engine's own prefix cache would (when
             # the scan raced the last rank's commit, a request admitted right after the first of
             # its prefix recomputed it on a coin flip: 0.2 ms either way at TP 2 and 4)
-            for a in pipes:
-                a.send(("complete", t0, busy_until))
-            dones = [a.recv() if a.poll(300) else "timeout" for a in pipes]
-            if any(d == "timeout" for d in dones):
-                raise RuntimeError("a simulator rank stopped answering")
+            dones = _ask_ranks(pipes, ("complete", t0, busy_until))
             done = dones[0]
             if any(d["req"] != done["req"] for d in dones[1:]):
                 disagreements += 1
@@ -104,11 +112,7 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
                 done["timeline"]["stored"] = round(done["stored_ms"], 3)
             results.append(done)
             busy_until = None
-        for a in pipes:
-            a.send(("step", step, arrivals, t0, None))
-        replies = [a.recv() if a.poll(300) else "timeout" for a in pipes]
-        if any(r == "timeout" for r in replies):
-            raise RuntimeError("a simulator rank stopped answering")
+        replies = _ask_ranks(pipes, ("step", step, arrivals, t0, None))
         first = replies[0]
         if any(r["admitted"] != first["admitted"] for r in replies[1:]):
             disagreements += 1

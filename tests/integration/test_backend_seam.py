@@ -360,6 +360,22 @@ def test_end_hands_its_abort_to_a_thread_and_the_sidecar_still_gets_it(sidecar_f
     b.close()
 
 
+def cold_in_l3_hot_in_pool(sidecar_factory, instance, tmp_path, pool, salt: str):
+    """A cost_aware backend over an L3 measured far dearer per block than prefill (0.2 Mbit/s: a
+    512-byte block takes ~20 ms to read, against 0.1 ms to recompute it), with one chain in L3
+    only (``cold``) and one resident in the pool (``hot``)."""
+    sidecar_factory(**overrides(pool, tmp_path, **{"l3.bandwidth_mbps": 0.2, "l3.latency_ms": 2.0}))
+    b = backend(instance, pool, sessions={"policy": "cost_aware", "query_wait_s": 5.0})
+    cold, hot = keys("cold" + salt), keys("hot" + salt)
+    assert b.batch_set_v1(cold, indices(range(CHAIN))) == [True] * CHAIN
+    with b.connection() as c:
+        wait_l3_idle(c)
+        c.flush()  # the cold chain is in L3 only
+        wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda n: n >= 2)
+    assert b.batch_set_v1(hot, indices(range(CHAIN, 2 * CHAIN))) == [True] * CHAIN  # resident
+    return b, cold, hot
+
+
 def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factory, instance, tmp_path):
     """``start_at_entry`` (SGLang's queue entry, cost_aware): over an L3 measured dearer per
     block than prefill, a chain nothing of which is resident has nothing to restore: the session
@@ -370,16 +386,7 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
     is worth reading behind the queue: True, and the query joins the running session and
     answers its plan.  Without a sidecar: True (SGLang runs its operation as without this)."""
     pool = HostPool(seed=5)
-    # 0.2 Mbit/s: a 512-byte block takes ~20 ms to read, against 0.1 ms to recompute it
-    sidecar_factory(**overrides(pool, tmp_path, **{"l3.bandwidth_mbps": 0.2, "l3.latency_ms": 2.0}))
-    b = backend(instance, pool, sessions={"policy": "cost_aware", "query_wait_s": 5.0})
-    cold, hot = keys("cold"), keys("hot")
-    assert b.batch_set_v1(cold, indices(range(CHAIN))) == [True] * CHAIN
-    with b.connection() as c:
-        wait_l3_idle(c)
-        c.flush()  # the cold chain is in L3 only
-        wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda n: n >= 2)
-    assert b.batch_set_v1(hot, indices(range(CHAIN, 2 * CHAIN))) == [True] * CHAIN  # resident
+    b, cold, hot = cold_in_l3_hot_in_pool(sidecar_factory, instance, tmp_path, pool, "")
     assert b.start_at_entry("r-cold", 0, cold, eta_s=0.0, prefill_s_per_block=1e-4) is False
     st = b.stats()
     assert st["entry_sessions"] == 1 and st["entry_nothing_to_restore"] == 1, st
@@ -423,15 +430,7 @@ def test_entry_decisions_of_one_iteration_take_one_round(sidecar_factory, instan
     reading.  A start the sidecar refuses (bad input) answers True for that request alone and
     leaves no session behind; a request without keys is not sent."""
     pool = HostPool(seed=7)
-    sidecar_factory(**overrides(pool, tmp_path, **{"l3.bandwidth_mbps": 0.2, "l3.latency_ms": 2.0}))
-    b = backend(instance, pool, sessions={"policy": "cost_aware", "query_wait_s": 5.0})
-    cold, hot = keys("cold2"), keys("hot2")
-    assert b.batch_set_v1(cold, indices(range(CHAIN))) == [True] * CHAIN
-    with b.connection() as c:
-        wait_l3_idle(c)
-        c.flush()
-        wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda n: n >= 2)
-    assert b.batch_set_v1(hot, indices(range(CHAIN, 2 * CHAIN))) == [True] * CHAIN
+    b, cold, hot = cold_in_l3_hot_in_pool(sidecar_factory, instance, tmp_path, pool, "2")
     got = b.start_at_entry_many([("a-cold", 0, cold, 0.0, 1e-4), ("a-hot", 0, hot, 0.0, 1e-4),
                                  ("a-bad", 0, keys("bad"), "soon", 1e-4), ("a-none", 0, [], 0.0, 1e-4),
                                  ("a-queued", 1, cold, 10.0, 1e-4)])
