@@ -132,8 +132,11 @@ class RequestLifecycle:
                           chunk_max_blocks=s.chunk_max_blocks or None, tokens=n_keys * self.layout.tokens_per_block,
                           eta_s=eta_s, prefill_s_per_block=prefill_s_per_block, fixed_hit=True, wait=wait)
         if wait:
-            self._count("sessions_joined" if view.get("existed") else "sessions_started")
+            self._count_start(view)
         return view
+
+    def _count_start(self, view: dict) -> None:
+        self._count("sessions_joined" if view.get("existed") else "sessions_started")
 
     def start_at_entry(self, rid: str, attempt: int, keys, eta_s: float | None = None,
                        prefill_s_per_block: float | None = None) -> bool:
@@ -192,7 +195,7 @@ class RequestLifecycle:
             if view is None:
                 self.sessions.discard(ref)
                 continue
-            self._count("sessions_joined" if view.get("existed") else "sessions_started")
+            self._count_start(view)
             self._count("entry_sessions")
             if view.get("state") == "terminal":
                 if not view.get("prefix"):

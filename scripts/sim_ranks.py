@@ -195,23 +195,20 @@ class _Rank:
             self.corrupt += check.result(timeout=60)
             self.free_pages.extend(reversed(pages))
 
-    def step(self, step: int, arrivals: list, t0: float, busy_until: float | None = None) -> dict:
-        """One loop iteration: requests that arrived enter the queue (and prefetch); a prefill
-        that ended completes; a free engine scans the queue and starts the first ready request.
-        The prefill itself runs "on the device" (modelled as busy time) while the loop goes on,
-        as with an overlapping scheduler: arrivals during a prefill enter the queue at once."""
+    def step(self, step: int, arrivals: list, t0: float) -> dict:
+        """One loop iteration: requests that arrived enter the queue (and prefetch); a free
+        engine scans the queue and starts the first ready request (a prefill that ended was
+        completed and stored by :meth:`finish` before this step).  The prefill itself runs "on
+        the device" (modelled as busy time) while the loop goes on, as with an overlapping
+        scheduler: arrivals during a prefill enter the queue at once."""
         for rid in arrivals:
             self.queue.append(rid)
             if self.prefetch:
                 self.ad.on_queue_entry(rid, self.stream[rid][1], eta_s=self.eta_s(len(self.queue) - 1))
             self.marks[rid]["entered"] = time.monotonic()
-        out = {"done": None, "admitted": None, "end": None}
-        if self.running is not None:
-            # the group's prefill ends when its slowest rank's does (the leader's verdict: SPMD)
-            if busy_until is None:  # the leader's verdict for this step: not ended yet
-                return out
-            self.running["end"] = busy_until
-            out["done"] = self.complete(t0)
+        out = {"admitted": None, "end": None}
+        if self.running is not None:  # the device is busy: no scan
+            return out
         # a scanned request is a scheduling candidate (SGLang's terminate_prefetch check): it
         # could have started now.  (Demanding only the one an ETA puts at "now" was tried: the
         # virtual replay of the measured rows says it is worse — cost_aware kept reading for
@@ -359,8 +356,8 @@ def rank_main(rank: int, conn) -> None:
             if msg[0] == "complete":  # the group's prefill ended at msg[2]: finish and store it
                 conn.send(r.finish(msg[1], msg[2]))
                 continue
-            _, step, arrivals, t0, busy_until = msg
-            conn.send(r.step(step, arrivals, t0, busy_until))
+            _, step, arrivals, t0 = msg
+            conn.send(r.step(step, arrivals, t0))
         if r.running is not None:
             r.start_check()
             r.checking.append((r.running["check"], r.running["pages"]))

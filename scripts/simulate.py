@@ -112,7 +112,7 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
                 done["timeline"]["stored"] = round(done["stored_ms"], 3)
             results.append(done)
             busy_until = None
-        replies = _ask_ranks(pipes, ("step", step, arrivals, t0, None))
+        replies = _ask_ranks(pipes, ("step", step, arrivals, t0))
         first = replies[0]
         if any(r["admitted"] != first["admitted"] for r in replies[1:]):
             disagreements += 1
@@ -122,7 +122,7 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
             busy_until = max(r["end"] for r in replies if r["end"] is not None)
             # the group's prefill ends with its slowest rank's: how much later than rank 0's
             skews[first["admitted"][0]] = (busy_until - first["end"]) * 1e3
-        if first["admitted"] is None and first["done"] is None and not arrivals:
+        if first["admitted"] is None and not arrivals:
             nxt = stream[i][0] - (time.monotonic() - t0) if i < len(stream) else STEP_S
             if busy_until is not None:
                 nxt = min(nxt, busy_until - time.monotonic())
