@@ -94,6 +94,10 @@ class SimParams:
     # (the GIL): a read withdrawn within that time never starts (real timelines: a read claimed with
     # the query and withdrawn by a demand 0.1 ms later had not started)
     lane_pickup_s: float = 0.0003
+    # a request in the queue -> its session created: the sidecar reads the prefetch (sent, not
+    # waited for) in its next pass (calibration; a scan of the request before then is read after
+    # it: the ring keeps the engine's order)
+    create_s: float = 0.0
 
     @property
     def l3_s_per_block(self) -> float:
@@ -186,6 +190,8 @@ class _Req:
     chain: bytes
     blocks: int
     prefetching: bool = False
+    starting: bool = False  # its prefetch sent, not yet read by the sidecar (create_s)
+    demand_after_start: bool = False  # scanned while starting: the sidecar reads the demand right after
     demanded: bool = False
     session_t0: float | None = None
     admitted_at: float | None = None
@@ -254,16 +260,33 @@ class Engine:
     def arrive(self, r: _Req) -> None:
         self.queue.append(r)
         if self.kw is not None:
-            msg = {"req": r.rid, "chain": r.chain, "policy": self.kw["policy"],
-                   "prefill_s_per_block": self.p.compute_s_per_block, "eta_s": self._eta_s(len(self.queue) - 1)}
-            if "chunk_max_blocks" in self.kw:
-                msg["chunk_max_blocks"] = self.kw["chunk_max_blocks"]
-            if self.kw["policy"] == "timeout":
-                msg["budget_s"] = self.p.budget_s
-            for c in self.ranks:  # every rank's scheduler sees the request enter its queue
-                self.sm.op_prefetch(c, dict(msg))
             r.prefetching, r.session_t0 = True, self.loop.t
+            if self.p.create_s > 0:
+                r.starting = True
+                self.loop.call_at(self.loop.t + self.p.create_s, self._start_session, r)
+            else:
+                self._start_session(r)
         self._arm_step()  # the iteration that took the arrival scans the queue
+
+    def _start_session(self, r: _Req) -> None:
+        """The sidecar reads the request's prefetch (every rank's), ``create_s`` after it entered
+        the queue, then the demand of a scan that came meanwhile (the ring keeps the engine's
+        order; until then a scan skips the request, as its prefetch is running)."""
+        r.starting = False
+        pos = self.queue.index(r) if r in self.queue else 0
+        msg = {"req": r.rid, "chain": r.chain, "policy": self.kw["policy"],
+               "prefill_s_per_block": self.p.compute_s_per_block, "eta_s": self._eta_s(pos)}
+        if "chunk_max_blocks" in self.kw:
+            msg["chunk_max_blocks"] = self.kw["chunk_max_blocks"]
+        if self.kw["policy"] == "timeout":
+            msg["budget_s"] = self.p.budget_s
+        for c in self.ranks:  # every rank's scheduler sees the request enter its queue
+            self.sm.op_prefetch(c, dict(msg))
+        if r.demand_after_start:  # (a scan's demand, sent after the prefetch on the same ring)
+            r.demand_after_start = False
+            self._spmd(self.sm.op_demand, {"req": r.rid})
+            if self._ready(r):  # that scan's poll is read next: it finds the session ended
+                self._arm_step()
 
     def _arm_step(self, delay: float = 0.0) -> None:
         """The engine's next scan, ``delay`` from now: at once after an arrival or a prefill's
@@ -279,6 +302,10 @@ class Engine:
             return
         self.step += 1
         for pos, r in enumerate(self.queue):
+            if r.starting:  # its prefetch not read yet: this scan's demand and poll come after it
+                if not r.demanded:
+                    r.demanded = r.demand_after_start = True
+                continue
             if r.prefetching:
                 eta = self._eta_s(pos)
                 if not r.demanded:
@@ -294,6 +321,8 @@ class Engine:
         # nothing ready: the next step comes when a session ends (see run)
 
     def _ready(self, r: _Req) -> bool:
+        if r.starting:
+            return False
         if not r.prefetching:
             return True
         rec = self.sm.records.get((self.group, r.rid, 0))

@@ -36,18 +36,27 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
     * ``query_s``: the L3 existence query (session created -> answered; every arm);
     * ``enter_s``: arrival -> in the queue with its prefetch sent;
     * ``scan_s``: a scan's round trip, from requests admitted by the scan that first saw them
-      at an idle engine (entered -> admitted within 5 ms, demanded and admitted together);
-    * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms);
+      at an idle engine (entered -> admitted within 5 ms, demanded and admitted together): from
+      their session's creation (the time before it is ``create_s``), else from entering;
+    * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms), less
+      ``scan_s`` (which every admission adds);
     * ``admit_s``: the GET's round trip;
     * ``skew_s``: the group's prefill ending after rank 0's (its slowest rank's: ``rank_skew_ms``);
     * ``publish_s``: a prefill's end -> its blocks published (the last rank's store committed;
       0 for a table run from before it was measured);
+    * ``create_s``: in the queue (its prefetch sent) -> the session created (the sidecar reads
+      the prefetch in its next pass);
+    * ``pickup_s``: the session's first read claimed -> started on the L3 lane (the claim pass,
+      then the lane's thread takes the job up once the control thread has let go), from first
+      reads that started within 2 ms (an idle lane).  A read claimed beside the query (before
+      its answer) counts from the session's creation: the virtual session claims it there;
     * ``turnaround_s`` (with ``arrivals``, ``{req: arrival_s}``): a prefill's end -> the next
       admission of a request already queued, less ``scan_s`` (the engine noticing the end, the
       finished request's store, the next scan), within 10 ms.
 
     ``arm``: that arm's own requests (a cost it has no sample of: every arm's); None: all arms."""
-    keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "publish_s")
+    keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "publish_s", "create_s",
+            "pickup_s")
     samples = {k: ([], []) for k in keys}
     for name, a in run["arms"].items():
         mine = arm is None or name == arm
@@ -72,18 +81,29 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
                 got["skew_s"] = r["rank_skew_ms"]
             if "stored" in t and "prefill_end" in t:
                 got["publish_s"] = max(0.0, t["stored"] - t["prefill_end"])
+            if "created" in ev and "entered" in t:
+                got["create_s"] = max(0.0, ev["created"] - t["entered"])
+            claims = [e for e in r.get("events") or () if e[0] == "claim"]
+            reads = [e for e in r.get("events") or () if e[0] == "read"]
+            if claims and reads and "created" in ev:  # ("read": [chunk, blocks, seconds] at its end)
+                with_query = "query" not in ev or claims[0][1] < ev["query"]
+                waited = reads[0][1] - reads[0][2][2] * 1e3 - (ev["created"] if with_query else claims[0][1])
+                if 0 <= waited < 2.0:
+                    got["pickup_s"] = waited
             if {"candidate", "admit", "entered"} <= t.keys():
                 first_scan = t["admit"] - t["candidate"] < 0.1
-                if first_scan and t["admit"] - t["entered"] < 5.0:
-                    got["scan_s"] = t["candidate"] - t["entered"]
+                if first_scan and t["admit"] - t["entered"] < 5.0:  # (from its session's creation, when it
+                    # has one: the time before that is create_s)
+                    got["scan_s"] = t["candidate"] - max(t["entered"], ev.get("created", t["entered"]))
                 if not first_scan and "terminal" in ev and 0 <= t["admit"] - ev["terminal"] < 2.5:
                     got["wake_s"] = t["admit"] - ev["terminal"]
             for k, v in got.items():
                 samples[k][0 if mine else 1].append(v / 1e3)
     defaults = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0, "turnaround_s": 0.0,
-                "skew_s": 0.0, "publish_s": 0.0}
+                "skew_s": 0.0, "publish_s": 0.0, "create_s": 0.0, "pickup_s": sv.SimParams.lane_pickup_s}
     out = {k: _median(own or other, defaults[k]) for k, (own, other) in samples.items()}
     out["turnaround_s"] = max(0.0, out["turnaround_s"] - out["scan_s"])
+    out["wake_s"] = max(0.0, out["wake_s"] - out["scan_s"])  # (the admission adds the scan's round trip)
     return out
 
 
@@ -116,8 +136,9 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11) -> dict:
         arm_kw = {k: v for k, v in kw.items() if k != "budget_s"} if kw else None  # (the row's chunk size)
         fixed = fixed_costs(row["timeline_trial"], arm, arrivals)
         pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s), meta_latency_s=fixed["query_s"],
+                                 lane_pickup_s=fixed["pickup_s"],
                                  **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s",
-                                                          "publish_s")})
+                                                          "publish_s", "create_s")})
         res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
         out[arm] = [r["ttft_s"] * 1e3 for r in res["results"]]
     return out

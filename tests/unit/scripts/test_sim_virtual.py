@@ -94,3 +94,24 @@ def test_bounds_replay_the_same_stream():
     b = sv.bounds(SMALL)
     assert len(b["serial"]) == len(b["oracle"]) == SMALL.requests
     assert all(o <= s + 1e-12 for o, s in zip(b["oracle"], b["serial"]))  # overlap never costs more
+
+
+def test_a_session_starts_create_s_after_entry_and_a_scan_before_then_is_read_after_it():
+    """The sidecar reads a prefetch ``create_s`` after the request entered the queue; the scan of
+    the idle engine at entry (its demand and poll come after the prefetch on the ring) skips the
+    request until then, and a pool hit whose session ends at creation is admitted right after."""
+    prefix = [sv._key("p", j) for j in range(32)]
+    a, b = (b"".join(prefix + [sv._key(name, 0)]) for name in ("a", "b"))
+    stream = [(0.0, "r0", a), (1.0, "r1", b)]  # r1: the prefix is in the pool by then
+    got = {}
+    for create_s in (0.0, 0.0005):
+        p = sv.SimParams(tp=2, prefix_tokens=2048, create_s=create_s, l3_ratio=3.0, wake_s=0.001)
+        e = sv.Engine(p, "cost_aware", stream)
+        e.l3.holds.clear()  # nothing in L3: r1's session ends as it starts (a pool hit, no read pays)
+        out = e.run()
+        assert out["corrupt"] == 0 and out["ranks_agree"] and out["books"] == "ok" and out["leases_left"] == 0
+        second = out["results"][1]
+        assert second["req"] == "r1" and second["hit_pool"] == 32 and second["status"] == "cost", second
+        got[create_s] = second["queue_s"]
+    assert got[0.0] == pytest.approx(0.0, abs=1e-12)
+    assert got[0.0005] == pytest.approx(0.0005, abs=1e-9)  # admitted as its session ended, not wake_s later

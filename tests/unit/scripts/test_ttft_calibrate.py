@@ -21,3 +21,24 @@ def test_publish_latency_is_the_median_of_the_last_ranks_store_after_the_prefill
     assert fixed_costs(run)["publish_s"] == pytest.approx(0.0025)  # all arms
     old = {"arms": {"no_prefetch": {"results": [_req(0, 100.0)]}}}  # a table from before it was measured
     assert fixed_costs(old, "no_prefetch")["publish_s"] == 0.0
+
+
+def test_session_creation_lane_pickup_and_scan_are_read_from_the_events():
+    """create_s: entered -> created; pickup_s: a read claimed beside the query counts from the
+    session's creation, one claimed after the answer from its claim (a lane busy for 2 ms or more
+    is not a pick-up); scan_s: a first-scan admission's answer from its session's creation."""
+    def req(i, events, t):
+        return {"req": f"r{i}", "timeline": {"entered": 0.5, "candidate": 1.5, "admit": 1.5, "got": 1.5,
+                                             "loaded": 1.6, "prefill_start": 1.6, "prefill_end": 2.0, **t},
+                "events": events, "rank_skew_ms": 0.0}
+    with_query = [["created", 0.7, 32], ["claim", 0.9, [0, 32, 2, 2]], ["query", 2.5, 2],
+                  ["read", 4.7, [0, 2, 0.0035]]]  # the read started at 1.2: 0.5 after creation
+    after_query = [["created", 0.6, 32], ["query", 2.0, 2], ["claim", 2.1, [0, 32, 2, 2]],
+                   ["read", 5.4, [0, 2, 0.003]]]  # started at 2.4: 0.3 after its claim
+    queued = [["created", 0.6, 32], ["claim", 0.7, [0, 32, 2, 2]], ["read", 9.0, [0, 2, 0.003]]]  # 5.3 late
+    run = {"arms": {"cost_aware": {"results": [req(0, with_query, {}), req(1, after_query, {}), req(2, queued, {}),
+                                               req(3, [["created", 0.9, 32], ["terminal", 1.0, ["cost", 32]]], {})]}}}
+    f = fixed_costs(run, "cost_aware")
+    assert f["create_s"] == pytest.approx(0.00015)  # median of 0.2, 0.1, 0.1, 0.4 ms
+    assert f["pickup_s"] == pytest.approx(0.0004)  # median of 0.5 and 0.3 ms (the queued read is left out)
+    assert f["scan_s"] == pytest.approx(0.00085)  # candidate 1.5 less creation: 0.8, 0.9, 0.9, 0.6 ms
