@@ -154,9 +154,12 @@ class VirtualL3(FakeTier):
     """A metadata lane and one serial read lane on the simulator's virtual clock, with the real
     read-cost estimator; ``contents`` / ``source`` record what each pool block holds."""
 
-    def __init__(self, loop, holds: set, contents: dict, source: dict, p, drop_at_s: float | None):
+    def __init__(self, loop, holds: set, contents: dict, source: dict, p, drop_at_s: float | None, cost=None):
+        """``cost(name)``: the seconds of one use of a fixed cost of ``p`` (the simulator may draw
+        each use from a measured distribution); by default ``p``'s constant."""
         super().__init__(holds, loop.post)
         self.loop, self.contents, self.source, self.p = loop, contents, source, p
+        self.cost_of = cost or (lambda name: getattr(p, name, 0.0))
         self.drop_at_s = drop_at_s
         self.cost = ReadCostModel(0.005, 0.020)  # a conservative prior (slower than every regime here)
         n = getattr(p, "calibration_blocks", 0)
@@ -178,7 +181,7 @@ class VirtualL3(FakeTier):
 
     def lookup(self, ns, chain, done):
         self.query_s = self.p.meta_latency_s  # (the real tier's running mean of what a session waits)
-        self.loop.call_at(self.loop.t + self.p.meta_latency_s, done, self.hits(chain))
+        self.loop.call_at(self.loop.t + self.cost_of("meta_latency_s"), done, self.hits(chain))
 
     def _submitted(self, r: FakeRead) -> None:
         heapq.heappush(self._queue, (r.priority, r.seq, r))
@@ -195,7 +198,7 @@ class VirtualL3(FakeTier):
             _, _, r = heapq.heappop(self._queue)
             if r.state != "queued":
                 continue
-            pickup = getattr(self.p, "lane_pickup_s", 0.0) if woken else 0.0
+            pickup = self.cost_of("lane_pickup_s") if woken else 0.0
             if pickup > 0:
                 self.busy, self.busy_until = r, self.loop.t + pickup
                 self.loop.call_at(self.busy_until, self._start, r)

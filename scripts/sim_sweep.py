@@ -106,13 +106,13 @@ TABLE_ARM_FOR = {"one_graph_timeout": "timeout_long", "timeout_chunk128": "timeo
 
 def calibration(table_json: str) -> dict:
     """``{tp: {arm: {enter_s, create_s, scan_s, wake_s, admit_s, turnaround_s, skew_s, publish_s, meta_latency_s,
-    lane_pickup_s}}}``: the fixed costs per
+    lane_pickup_s, cost_samples}}}``: the fixed costs per
     request the real-process table measured (``scripts.simulate --table --json``), medians over
     that TP's rows, for each sweep arm (timeout arms: the table's timeout arm of that kind)."""
     import json
     from pathlib import Path
 
-    from scripts.ttft_calibrate import arrivals_of, fixed_costs
+    from scripts.ttft_calibrate import arrivals_of, cost_samples, fixed_costs
 
     table = json.loads(Path(table_json).read_text())
     rows = table["rows"]
@@ -125,6 +125,11 @@ def calibration(table_json: str) -> dict:
             med = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
             med["meta_latency_s"] = med.pop("query_s")
             med["lane_pickup_s"] = med.pop("pickup_s")
+            pooled: dict = {}  # the jittered costs' samples, over that TP's rows
+            for run, arr in mine:
+                for name, xs in cost_samples(run, TABLE_ARM_FOR.get(arm, arm), arr):
+                    pooled.setdefault(name, []).extend(xs)
+            med["cost_samples"] = tuple((name, tuple(xs)) for name, xs in sorted(pooled.items()))
             out[tp][arm] = med
     return out
 

@@ -98,6 +98,10 @@ class SimParams:
     # waited for) in its next pass (calibration; a scan of the request before then is read after
     # it: the ring keeps the engine's order)
     create_s: float = 0.0
+    # ((name, (seconds, ...)), ...): each use of the fixed cost ``name`` (a field above) draws one of
+    # the seconds the real run measured, instead of the constant (calibration: the costs jitter,
+    # and the sum of their medians is not the median of their sum).  Seeded by ``seed``.
+    cost_samples: tuple = ()
 
     @property
     def l3_s_per_block(self) -> float:
@@ -217,7 +221,9 @@ class Engine:
         holds = {c[i:i + KEY] for _, _, c in stream for i in range(0, len(c), KEY)}  # a warm L3
         drop_at = stream[int(len(stream) * p.bandwidth_drop_at)][0] if p.bandwidth_drop_at is not None else None
         self.drop_at_s = drop_at
-        self.l3 = VirtualL3(self.loop, holds, self.contents, self.source, p, drop_at)
+        self._samples = {name: tuple(xs) for name, xs in p.cost_samples if xs}
+        self._cost_rng = random.Random(f"fixed-costs:{p.seed}")
+        self.l3 = VirtualL3(self.loop, holds, self.contents, self.source, p, drop_at, cost=self.cost)
         sess = SessionsConfig(chunk_max_blocks=(self.kw or {}).get("chunk_max_blocks", 128), window=2,
                               retained_ttl_s=30.0, prefill_s_per_block=p.compute_s_per_block,
                               load_s_per_block=p.copy_s_per_block, read_with_query=p.read_with_query)
@@ -235,6 +241,11 @@ class Engine:
         self.corrupt = 0
         self.disagreements = 0
         self._held: dict = {}  # rid -> blocks its session holds (last poll): the ETA of those behind
+
+    def cost(self, name: str) -> float:
+        """One use of the fixed cost ``name``: a draw from its measured samples, else the constant."""
+        xs = self._samples.get(name)
+        return self._cost_rng.choice(xs) if xs else getattr(self.p, name)
 
     # -- SPMD calls: every rank sends the same op with the same step --------------------------------
     def _spmd(self, fn, msg: dict) -> dict:
@@ -263,7 +274,7 @@ class Engine:
             r.prefetching, r.session_t0 = True, self.loop.t
             if self.p.create_s > 0:
                 r.starting = True
-                self.loop.call_at(self.loop.t + self.p.create_s, self._start_session, r)
+                self.loop.call_at(self.loop.t + self.cost("create_s"), self._start_session, r)
             else:
                 self._start_session(r)
         self._arm_step()  # the iteration that took the arrival scans the queue
@@ -341,8 +352,8 @@ class Engine:
         # restored from L3 by this request's own session; the rest of the GET was in the pool
         # (resident at queue entry, stored by an earlier prefill, or read by another session)
         restored_l3 = min(n, rec.restored) if rec is not None else 0
-        prefill = (self.p.scan_s + self.p.admit_s + n * self.p.copy_s_per_block
-                   + (r.blocks - n) * self.p.compute_s_per_block + self.p.skew_s)
+        prefill = (self.cost("scan_s") + self.cost("admit_s") + n * self.p.copy_s_per_block
+                   + (r.blocks - n) * self.p.compute_s_per_block + self.cost("skew_s"))
         self.busy_until = now + prefill
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
                 "hit_l3": restored_l3, "recomputed": r.blocks - n, "queue_s": now - r.arrival,
@@ -357,6 +368,7 @@ class Engine:
         self.loop.call_at(self.busy_until, self._done, r, get.get("lease", 0))
 
     def _done(self, r: _Req, lease: int) -> None:
+        publish = self.cost("publish_s")
         if lease:
             self._spmd(self.core.op_release, {"lease": lease})
         st = self._spmd(self.core.op_store, {"chain": r.chain, "req": r.rid, "step": self.step})
@@ -365,11 +377,11 @@ class Engine:
                 pos = st["start"] + j
                 self.contents[b] = r.chain[pos * KEY:(pos + 1) * KEY]
                 self.source[b] = "engine"
-            if self.p.publish_s > 0:  # every rank's commit lands publish_s after the prefill's end
-                self.loop.call_at(self.loop.t + self.p.publish_s, self._commit, st["staging"])
+            if publish > 0:  # every rank's commit lands publish_s after the prefill's end
+                self.loop.call_at(self.loop.t + publish, self._commit, st["staging"])
             else:
                 self._commit(st["staging"])
-        self._arm_step(max(self.p.turnaround_s, self.p.publish_s))  # (a timer at the same time runs after)
+        self._arm_step(max(self.cost("turnaround_s"), publish))  # (a timer at the same time runs after)
 
     def _commit(self, staging: int) -> None:
         for c in self.ranks:
@@ -378,12 +390,12 @@ class Engine:
     # -- the run -----------------------------------------------------------------------------------------
     def run(self) -> dict:
         for r in self.stream:
-            self.loop.call_at(r.arrival + self.p.enter_s, self.arrive, r)
+            self.loop.call_at(r.arrival + self.cost("enter_s"), self.arrive, r)
         while self.loop.next_timer():
             # idle with work queued: the next iteration runs once a queued session has ended
             # (the engine waits for it: iterations in between would skip the same way)
             if not self.step_armed and self.loop.t >= self.busy_until and any(map(self._ready, self.queue)):
-                self._arm_step(self.p.wake_s)
+                self._arm_step(self.cost("wake_s"))
         books = self.core.check() or self.sm.check()
         return {"results": self.results, "corrupt": self.corrupt, "ranks_agree": self.disagreements == 0,
                 "books": books or "ok", "leases_left": len(self.core.leases.leases),

@@ -31,15 +31,32 @@ def _median(xs: list, default: float) -> float:
 
 
 def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None) -> dict:
-    """The per-request fixed costs the real run showed (medians, seconds), from its timelines:
+    """The per-request fixed costs the real run showed (medians, seconds; :func:`fixed_samples`)."""
+    samples = fixed_samples(run, arm, arrivals)
+    out = {k: _median(xs, DEFAULTS[k]) for k, xs in samples.items()}
+    scan = _median(samples["scan_s"], DEFAULTS["scan_s"])
+    out["turnaround_s"] = _median([max(0.0, x - scan) for x in samples["turnaround_s"]], 0.0)
+    out["wake_s"] = _median([max(0.0, x - scan) for x in samples["wake_s"]], 0.0)
+    return out
+
+
+DEFAULTS = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0, "turnaround_s": 0.0,
+            "skew_s": 0.0, "publish_s": 0.0, "create_s": 0.0, "pickup_s": sv.SimParams.lane_pickup_s}
+# fixed_samples' names -> SimParams' fields
+SIM_FIELDS = {"query_s": "meta_latency_s", "pickup_s": "lane_pickup_s"}
+
+
+def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = None) -> dict:
+    """``{cost: [seconds, ...]}``: each per-request fixed cost as the real run showed it, from its
+    timelines (``turnaround_s`` and ``wake_s`` as measured: :func:`fixed_costs` and
+    :func:`cost_samples` take the scan's round trip off, which every admission adds):
 
     * ``query_s``: the L3 existence query (session created -> answered; every arm);
     * ``enter_s``: arrival -> in the queue with its prefetch sent;
     * ``scan_s``: a scan's round trip, from requests admitted by the scan that first saw them
       at an idle engine (entered -> admitted within 5 ms, demanded and admitted together): from
       their session's creation (the time before it is ``create_s``), else from entering;
-    * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms), less
-      ``scan_s`` (which every admission adds);
+    * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms);
     * ``admit_s``: the GET's round trip;
     * ``skew_s``: the group's prefill ending after rank 0's (its slowest rank's: ``rank_skew_ms``);
     * ``publish_s``: a prefill's end -> its blocks published (the last rank's store committed;
@@ -51,8 +68,8 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
       reads that started within 2 ms (an idle lane).  A read claimed beside the query (before
       its answer) counts from the session's creation: the virtual session claims it there;
     * ``turnaround_s`` (with ``arrivals``, ``{req: arrival_s}``): a prefill's end -> the next
-      admission of a request already queued, less ``scan_s`` (the engine noticing the end, the
-      finished request's store, the next scan), within 10 ms.
+      admission of a request already queued (the engine noticing the end, the finished
+      request's store, the next scan), within 10 ms.
 
     ``arm``: that arm's own requests (a cost it has no sample of: every arm's); None: all arms."""
     keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "publish_s", "create_s",
@@ -99,12 +116,30 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
                     got["wake_s"] = t["admit"] - ev["terminal"]
             for k, v in got.items():
                 samples[k][0 if mine else 1].append(v / 1e3)
-    defaults = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0, "turnaround_s": 0.0,
-                "skew_s": 0.0, "publish_s": 0.0, "create_s": 0.0, "pickup_s": sv.SimParams.lane_pickup_s}
-    out = {k: _median(own or other, defaults[k]) for k, (own, other) in samples.items()}
-    out["turnaround_s"] = max(0.0, out["turnaround_s"] - out["scan_s"])
-    out["wake_s"] = max(0.0, out["wake_s"] - out["scan_s"])  # (the admission adds the scan's round trip)
-    return out
+    return {k: own or other for k, (own, other) in samples.items()}
+
+
+JITTERED = ("query_s", "create_s", "pickup_s", "wake_s")
+
+
+def cost_samples(run: dict, arm: str | None = None, arrivals: dict | None = None, names=JITTERED) -> tuple:
+    """``SimParams.cost_samples``: the measured samples of the fixed costs ``names`` under their
+    SimParams names (``turnaround_s`` and ``wake_s`` less the median scan, as :func:`fixed_costs`).
+    By default the sidecar's control path (its reading of a prefetch, the L3 query, the lane's
+    pick-up, the answers to the engine's scans), whose jitter adds up along a session; the engine
+    loop's own costs stay their medians (drawn, their tails would lengthen every service at 0.9
+    load, which the real engine's did not: its no_prefetch p50 is predicted with medians)."""
+    samples = fixed_samples(run, arm, arrivals)
+    scan = _median(samples["scan_s"], DEFAULTS["scan_s"])
+    out = []
+    for k, xs in samples.items():
+        if k not in names:
+            continue
+        if k in ("turnaround_s", "wake_s"):
+            xs = [max(0.0, x - scan) for x in xs]
+        if xs:
+            out.append((SIM_FIELDS.get(k, k), tuple(xs)))
+    return tuple(out)
 
 
 def arrivals_of(row: dict, requests: int) -> dict:
@@ -117,10 +152,14 @@ def row_stream_args(row: dict, requests: int) -> dict:
                 load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
 
 
-def virtual_ttfts(row: dict, requests: int, seed: int = 11) -> dict:
+DRAWS = 3  # the virtual run of a row is repeated with this many draws of its jittered costs
+
+
+def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True, draw: int = 0) -> dict:
     """``{arm: [TTFT ms per request]}``: the row's stream (``seed``: the table's own, 11, or
     another draw of the same shape) through the virtual model with the row's measured rates
-    and fixed costs."""
+    and fixed costs (``jitter``: the control path's drawn from their samples, :func:`cost_samples`,
+    with the draws numbered ``draw``)."""
     agg = row["aggregate"]
     rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
     lay = simulate.make_layout(row["tp"])
@@ -135,8 +174,9 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11) -> dict:
     for arm, kw in TABLE_ARMS.items():
         arm_kw = {k: v for k, v in kw.items() if k != "budget_s"} if kw else None  # (the row's chunk size)
         fixed = fixed_costs(row["timeline_trial"], arm, arrivals)
-        pa = dataclasses.replace(p, budget_s=(kw or {}).get("budget_s", p.budget_s), meta_latency_s=fixed["query_s"],
-                                 lane_pickup_s=fixed["pickup_s"],
+        pa = dataclasses.replace(p, seed=1 + draw, budget_s=(kw or {}).get("budget_s", p.budget_s),
+                                 meta_latency_s=fixed["query_s"], lane_pickup_s=fixed["pickup_s"],
+                                 cost_samples=cost_samples(row["timeline_trial"], arm, arrivals) if jitter else (),
                                  **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s",
                                                           "publish_s", "create_s")})
         res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
@@ -145,11 +185,14 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11) -> dict:
 
 
 def virtual_row(row: dict, requests: int) -> dict:
+    """Every arm's real p50 (median over trials) against the virtual one (median over
+    :data:`DRAWS` draws of the jittered costs, as the real is over trials)."""
     agg = row["aggregate"]
+    runs = [virtual_ttfts(row, requests, draw=d) for d in range(DRAWS)]
     out = {}
-    for arm, ttft in virtual_ttfts(row, requests).items():
+    for arm in runs[0]:
         real = trials_mod.median(agg["arms"][arm]["ttft_p50_ms"])
-        virt = ttft_bounds._pct(ttft, 0.5)
+        virt = statistics.median(ttft_bounds._pct(run[arm], 0.5) for run in runs)
         out[arm] = {"real_p50_ms": real, "virtual_p50_ms": virt, "ratio": virt / real if real else None,
                     "within": bool(real) and abs(virt / real - 1) <= TOLERANCE}
     return out

@@ -115,3 +115,17 @@ def test_a_session_starts_create_s_after_entry_and_a_scan_before_then_is_read_af
         got[create_s] = second["queue_s"]
     assert got[0.0] == pytest.approx(0.0, abs=1e-12)
     assert got[0.0005] == pytest.approx(0.0005, abs=1e-9)  # admitted as its session ended, not wake_s later
+
+
+def test_jittered_costs_are_drawn_from_their_samples_deterministically():
+    """``cost_samples``: each use of a listed cost draws one measured sample (seeded); a cost not
+    listed is its constant.  The same parameters give the same run."""
+    p = dataclasses.replace(SMALL, create_s=0.0003, cost_samples=(("create_s", (0.0001, 0.0009)),
+                                                                  ("meta_latency_s", (0.002,))))
+    e = sv.Engine(p, "cost_aware", sv.request_stream(p))
+    draws = {e.cost("create_s") for _ in range(64)}
+    assert draws == {0.0001, 0.0009}
+    assert e.cost("meta_latency_s") == 0.002 and e.cost("scan_s") == p.scan_s  # (not listed: the constant)
+    a, b = sv.Engine(p, "cost_aware", sv.request_stream(p)).run(), sv.Engine(p, "cost_aware", sv.request_stream(p)).run()
+    assert [x["ttft_s"] for x in a["results"]] == [x["ttft_s"] for x in b["results"]]
+    assert a["corrupt"] == 0 and a["books"] == "ok" and a["leases_left"] == 0

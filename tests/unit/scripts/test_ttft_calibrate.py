@@ -42,3 +42,18 @@ def test_session_creation_lane_pickup_and_scan_are_read_from_the_events():
     assert f["create_s"] == pytest.approx(0.00015)  # median of 0.2, 0.1, 0.1, 0.4 ms
     assert f["pickup_s"] == pytest.approx(0.0004)  # median of 0.5 and 0.3 ms (the queued read is left out)
     assert f["scan_s"] == pytest.approx(0.00085)  # candidate 1.5 less creation: 0.8, 0.9, 0.9, 0.6 ms
+
+
+def test_cost_samples_are_the_control_paths_under_their_simulator_names():
+    from scripts.ttft_calibrate import JITTERED, cost_samples
+
+    events = [["created", 0.7, 32], ["claim", 0.9, [0, 32, 2, 2]], ["query", 2.5, 2], ["read", 4.7, [0, 2, 0.0035]]]
+    run = {"arms": {"cost_aware": {"results": [
+        {"req": "r0", "events": events, "rank_skew_ms": 0.3,
+         "timeline": {"entered": 0.5, "candidate": 1.5, "admit": 1.5, "got": 1.5, "loaded": 1.6,
+                      "prefill_start": 1.6, "prefill_end": 2.0}}]}}}
+    got = dict(cost_samples(run, "cost_aware"))
+    assert got["create_s"] == pytest.approx((0.0002,)) and got["meta_latency_s"] == pytest.approx((0.0018,))
+    assert got["lane_pickup_s"] == pytest.approx((0.0005,))
+    assert "skew_s" not in got and "scan_s" not in got  # the engine loop's costs stay constants
+    assert set(JITTERED) >= {"query_s", "create_s", "pickup_s"}
