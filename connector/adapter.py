@@ -40,6 +40,21 @@ from .reconnect import SidecarLink
 log = logging.getLogger(__name__)
 
 
+def blocks_not_computed(view: dict | None) -> int:
+    """Of a queued request, the blocks its prefill will not compute, as far as its session's view
+    says: an ended session's prefix; a running one's plan (``planned``: where it means to restore
+    to, the L3 hit's end for every policy but cost_aware's current plan), not only what has landed.
+    The ETA of the requests queued behind it counts only the rest: a request ahead that is still
+    reading is skipped by the scan and computes only what it will not restore (counting its
+    unlanded blocks as prefill told cost_aware a request behind it would start a whole prefill
+    later than it could, and it read on behind the lane while the engine recomputed others)."""
+    if not view:
+        return 0
+    if view.get("state") == "terminal":
+        return view.get("prefix", 0) or 0
+    return max(view.get("planned", 0) or 0, view.get("published", 0) or 0)
+
+
 @dataclasses.dataclass
 class RestoreSlot:
     """Pages restored for one request, held (with the lease) until committed or rolled back."""
@@ -148,8 +163,8 @@ class EngineAdapter:
         return None if c is None else max(0.0, busy_s) + max(0, blocks_ahead) * c
 
     def restorable_blocks(self, req: str) -> int:
-        """Blocks ``req`` will not prefill, as far as the engine knows (its session's prefix at its
-        last poll; 0 before one): an ETA for the requests queued behind it counts only the rest."""
+        """Blocks ``req`` will not prefill, as far as the engine knows (:func:`blocks_not_computed`
+        of its last poll; 0 before one): an ETA for the requests queued behind it counts only the rest."""
         return self._held.get(req, 0)
 
     def on_queue_entry(self, req: str, token_ids, eta_s: float | None = None) -> None:
@@ -206,7 +221,7 @@ class EngineAdapter:
         if not self._settle(req):  # (after the poll: its answer came with or before the poll's)
             return True, 0
         if view is not None:
-            self._held[req] = view.get("prefix", view.get("published", 0)) or 0
+            self._held[req] = blocks_not_computed(view)
         if view is None or view.get("state") in ("terminal", "unknown"):
             return True, (view or {}).get("prefix", 0) * self.layout.tokens_per_block
         return False, 0
@@ -236,7 +251,7 @@ class EngineAdapter:
             if not self._settle(req):
                 return pos, 0
             if view is not None and view.get("state") != "error":
-                self._held[req] = view.get("prefix", view.get("published", 0)) or 0
+                self._held[req] = blocks_not_computed(view)
             if view is None or view.get("state") in ("terminal", "unknown", "error"):
                 got = (view or {}).get("get")
                 if got is not None and "lease" in got:

@@ -36,6 +36,7 @@ import heapq
 import itertools
 import random
 
+from kvsidecar.connector.adapter import blocks_not_computed
 from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
 from kvsidecar.sidecar.kv.index import KEY, unpack_ids
@@ -323,7 +324,7 @@ class Engine:
                     r.demanded = True
                     self._spmd(self.sm.op_demand, {"req": r.rid})
                 view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": eta})
-                self._held[r.rid] = view.get("prefix", view.get("published", 0)) or 0
+                self._held[r.rid] = blocks_not_computed(view)  # (the adapter's ETA input)
                 if view.get("state") not in ("terminal", "unknown"):
                     continue  # skipped: the scheduler goes on to the next request
             self.queue.pop(pos)

@@ -124,6 +124,9 @@ def test_check_queue_is_the_scan_stopping_at_the_first_ready_request(sidecar_fac
     assert ad.conn.poll("q0")["state"] == "running"  # behind the ready one: not demanded
     assert ad.check_queue([("q0", 0.1, False)], 6) == (None, 0)  # asked, not ready, still reading
     assert ad.conn.poll("q0")["state"] == "running"
+    # the ETA of a request behind q0 counts only what q0 will compute: its plan is the whole hit,
+    # none of which has landed yet (the held read)
+    assert ad.restorable_blocks("q0") == len(TOKS) // LAY.tokens_per_block
     assert ad.check_queue([("q0", 0.0, True), ("absent", None, True)], 7) == (1, 0)  # q0 demanded, absent ready
     assert ad.conn.poll("q0")["state"] == "draining"
     read_gate.open()
