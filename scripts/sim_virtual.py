@@ -273,9 +273,10 @@ class Engine:
         self.queue.append(r)
         if self.kw is not None:
             r.prefetching, r.session_t0 = True, self.loop.t
-            if self.p.create_s > 0:
+            delay = self.cost("create_s")
+            if delay > 0:
                 r.starting = True
-                self.loop.call_at(self.loop.t + self.cost("create_s"), self._start_session, r)
+                self.loop.call_at(self.loop.t + delay, self._start_session, r)
             else:
                 self._start_session(r)
         self._arm_step()  # the iteration that took the arrival scans the queue
