@@ -239,7 +239,8 @@ class KVConnector:
     def prefetch(self, chain: bytes, req: str, *, policy: str | None = None, attempt: int = 0,
                  budget_s: float | None = None, chunk_max_blocks: int | None = None, tokens: int | None = None,
                  checkpoints=None, checkpoint_every: int | None = None, eta_s: float | None = None,
-                 prefill_s_per_block: float | None = None, fixed_hit: bool = False, wait: bool = True):
+                 prefill_s_per_block: float | None = None, fixed_hit: bool = False, waiting: int | None = None,
+                 wait: bool = True):
         """Start (or join) the session for (group, req, attempt) at queue entry, with the full chain.
 
         ``budget_s`` overrides the timeout policy's budget (default: the sidecar's
@@ -247,7 +248,8 @@ class KVConnector:
         ``eta_s`` (seconds until the engine expects to start this request's prefill) and
         ``prefill_s_per_block`` are ``cost_aware``'s engine inputs; ``fixed_hit``: this engine fetches
         exactly the hit it is told when the query answers (``planned``), so nothing is read beyond
-        that plan for it.  Returns the session's view;
+        that plan for it; ``waiting``: the queued requests its prefill would hold up (:meth:`poll`).
+        Returns the session's view;
         with ``wait=False`` the request id at once (its view then comes with ``client.take``: the
         ring keeps order, so it has arrived once any later call on this connection returned)."""
         fields = dict(req=req, chain=chain, ns=self.hasher.namespace or None,
@@ -255,7 +257,7 @@ class KVConnector:
                       chunk_max_blocks=chunk_max_blocks, tokens=tokens,
                       checkpoints=list(checkpoints) if checkpoints is not None else None,
                       checkpoint_every=checkpoint_every, eta_s=eta_s, prefill_s_per_block=prefill_s_per_block,
-                      fixed_hit=fixed_hit or None)
+                      fixed_hit=fixed_hit or None, waiting=waiting)
         return self.client.call("prefetch", **fields) if wait else self.client.send("prefetch", **fields)
 
     def demand(self, req: str, attempt: int = 0, drain_s: float | None = None) -> dict:
@@ -270,16 +272,19 @@ class KVConnector:
         return self.client.call("abort", req=req, attempt=attempt or None)
 
     def poll(self, req: str, attempt: int = 0, step: int | None = None, eta_s: float | None = None,
-             demand: bool = False) -> dict:
+             demand: bool = False, waiting: int | None = None) -> dict:
         """Session state; with ``step`` the group's first answer for that step.  ``eta_s``: a new
         estimate of when the prefill can start (``cost_aware`` re-plans with it, once per step).
-        ``demand``: the request became a scheduling candidate, as :meth:`demand` (one round trip)."""
+        ``demand``: the request became a scheduling candidate, as :meth:`demand` (one round trip).
+        ``waiting``: the queued requests its prefill would hold up now (``cost_aware`` weighs a
+        block's prefill by them: :func:`kvsidecar.connector.adapter.waiting_behind`)."""
         return self.client.call("poll", req=req, attempt=attempt or None, step=step, eta_s=eta_s,
-                                demand=demand or None)
+                                demand=demand or None, waiting=waiting)
 
     def poll_scan(self, polls: list, step: int | None = None, until_ready: bool = True, get: bool = False) -> list[dict]:
-        """A scheduler's scan of its queue in one round trip: ``polls`` are ``(req, eta_s, demand)``
-        or ``(req, eta_s, demand, attempt)`` in queue order, each answered exactly as
+        """A scheduler's scan of its queue in one round trip: ``polls`` are ``(req, eta_s, demand)``,
+        ``(req, eta_s, demand, attempt)`` or ``(req, eta_s, demand, attempt, waiting)`` in queue
+        order (``waiting``: as :meth:`poll`'s), each answered exactly as
         :meth:`poll` would (same step, same group
         decision).  With ``until_ready`` the sidecar stops after the first request ready to admit
         (its session terminal or unknown), so nothing behind it is demanded.  Returns the views of
@@ -288,14 +293,16 @@ class KVConnector:
         is a ``get`` answer (:meth:`lease_of` makes the lease; the caller releases it) or
         ``{"err", "msg"}``."""
         entries = []
-        for req, eta_s, demand, *attempt in polls:
+        for req, eta_s, demand, *more in polls:
             e = {"req": req}
-            if attempt and attempt[0]:
-                e["attempt"] = attempt[0]
+            if more and more[0]:
+                e["attempt"] = more[0]
             if eta_s is not None:
                 e["eta_s"] = eta_s
             if demand:
                 e["demand"] = True
+            if len(more) > 1 and more[1] is not None:
+                e["waiting"] = more[1]
             entries.append(e)
         views = []
         for i in range(0, len(entries), MAX_SCAN):  # (a queue longer than one frame: in pieces)

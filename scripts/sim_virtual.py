@@ -36,7 +36,7 @@ import heapq
 import itertools
 import random
 
-from kvsidecar.connector.adapter import blocks_not_computed
+from kvsidecar.connector.adapter import blocks_not_computed, waiting_behind
 from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
 from kvsidecar.sidecar.kv.index import KEY, unpack_ids
@@ -91,6 +91,7 @@ class SimParams:
     publish_s: float = 0.0
     calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
     read_with_query: bool = True  # sessions.read_with_query (the sidecar's default: on)
+    queue_aware: bool = True  # sessions.queue_aware (the sidecar's default: on)
     # the read lane's thread takes a job up only once the control thread has finished its batch
     # (the GIL): a read withdrawn within that time never starts (real timelines: a read claimed with
     # the query and withdrawn by a demand 0.1 ms later had not started)
@@ -227,7 +228,8 @@ class Engine:
         self.l3 = VirtualL3(self.loop, holds, self.contents, self.source, p, drop_at, cost=self.cost)
         sess = SessionsConfig(chunk_max_blocks=(self.kw or {}).get("chunk_max_blocks", 128), window=2,
                               retained_ttl_s=30.0, prefill_s_per_block=p.compute_s_per_block,
-                              load_s_per_block=p.copy_s_per_block, read_with_query=p.read_with_query)
+                              load_s_per_block=p.copy_s_per_block, read_with_query=p.read_with_query,
+                              queue_aware=p.queue_aware)
         self.sm = SessionManager(self.core, self.l3, sess, clock=self.loop.clock)
         self.group = f"vsim-{arm}"
         self.ranks = [_Conn(self.group, r, p.tp, r) for r in range(p.tp)]
@@ -297,7 +299,8 @@ class Engine:
             self.sm.op_prefetch(c, dict(msg))
         if r.demand_after_start:  # (a scan's demand, sent after the prefetch on the same ring)
             r.demand_after_start = False
-            self._spmd(self.sm.op_demand, {"req": r.rid})
+            waiting = waiting_behind([q.chain for q in self.queue])[pos] if r in self.queue else 0
+            self._spmd(self.sm.op_demand, {"req": r.rid, "waiting": waiting})
             if self._ready(r):  # that scan's poll is read next: it finds the session ended
                 self._arm_step()
 
@@ -314,6 +317,7 @@ class Engine:
         if self.loop.t < self.busy_until:
             return
         self.step += 1
+        behind = waiting_behind([r.chain for r in self.queue])  # (what the adapter's scan tells each session)
         for pos, r in enumerate(self.queue):
             if r.starting:  # its prefetch not read yet: this scan's demand and poll come after it
                 if not r.demanded:
@@ -321,10 +325,11 @@ class Engine:
                 continue
             if r.prefetching:
                 eta = self._eta_s(pos)
+                waiting = behind[pos]
                 if not r.demanded:
                     r.demanded = True
-                    self._spmd(self.sm.op_demand, {"req": r.rid})
-                view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": eta})
+                    self._spmd(self.sm.op_demand, {"req": r.rid, "waiting": waiting})
+                view = self._spmd(self.sm.op_poll, {"req": r.rid, "step": self.step, "eta_s": eta, "waiting": waiting})
                 self._held[r.rid] = blocks_not_computed(view)  # (the adapter's ETA input)
                 if view.get("state") not in ("terminal", "unknown"):
                     continue  # skipped: the scheduler goes on to the next request

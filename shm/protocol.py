@@ -57,7 +57,7 @@ class OpSchema:
 _TP = {"group": STR, "req": STR, "attempt": INT, "step": INT}
 
 # One entry of a ``poll_scan``: what a ``poll`` of that request carries, less the shared ``step``.
-POLL_ENTRY = OpSchema({"req": STR}, {"attempt": INT, "eta_s": FLOAT, "demand": BOOL})
+POLL_ENTRY = OpSchema({"req": STR}, {"attempt": INT, "eta_s": FLOAT, "demand": BOOL, "waiting": INT})
 MAX_SCAN = 256  # entries per poll_scan (its answer stays well inside a frame); longer queues go in pieces
 
 # The op table: every op the sidecar serves, its fields, and whether it needs a KV attach.
@@ -81,14 +81,16 @@ OP_SCHEMAS: dict[str, OpSchema] = {
         {"req": STR, "chain": CHAIN},
         {"ns": STR, "attempt": INT, "policy": STR, "budget_s": FLOAT, "chunk_max_blocks": INT,
          "tokens": INT, "checkpoints": INTLIST, "checkpoint_every": INT, "group": STR, "step": INT,
-         "eta_s": FLOAT, "prefill_s_per_block": FLOAT, "fixed_hit": BOOL},
+         "eta_s": FLOAT, "prefill_s_per_block": FLOAT, "fixed_hit": BOOL, "waiting": INT},
         kv=True,
     ),
     # ``drain_s``: the engine admits the request within it -- a session the demand stops hands
     # over what has landed by then and leaves its later reads behind
-    "demand": OpSchema({"req": STR}, {"attempt": INT, "drain_s": FLOAT}, kv=True),
+    "demand": OpSchema({"req": STR}, {"attempt": INT, "drain_s": FLOAT, "waiting": INT}, kv=True),
     "abort": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
-    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT, "demand": BOOL}, kv=True),
+    # ``waiting`` (prefetch, demand, poll): the requests the engine has queued behind this one (cost_aware)
+    "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT, "demand": BOOL, "waiting": INT},
+                     kv=True),
     "wait": OpSchema({"req": STR}, {"attempt": INT, "until": INT, "terminal": BOOL, "wait_s": FLOAT}, kv=True),
     # a scheduler's scan of its waiting queue in one round trip: each entry is a ``poll`` (same
     # step, same group decision), in order; with ``until_ready`` the scan stops after the first

@@ -9,7 +9,10 @@ when it is a scheduling candidate).  Restoring ``k`` more blocks lands them at
 (``backlog``: the read-lane work queued ahead; ``current_end``: when this session's own claims
 land — one lane reads in order), and the prefill then starts at
 ``max(eta, land)`` instead of ``max(eta, land_current)`` (when what is already claimed lands).
-It saves ``k x (prefill_s_per_block - load_s_per_block)`` of prefill.  A chunk is claimed only
+It saves ``k x (prefill_s_per_block - load_s_per_block)`` of prefill, for the request itself and
+for each of the ``waiting`` requests queued behind it (:attr:`Outlook.saving_per_block`: the
+engine is the one shared resource a queue waits on; a read holds only the L3 lane, and a
+scheduler that skips a request still reading serves the others meanwhile).  A chunk is claimed only
 while the saving exceeds the delay, which is exactly the marginal form of the serial optimum
 ``min_k max(eta, land(k)) + prefill(n - k)`` for a linear transfer cost:
 
@@ -48,6 +51,7 @@ class Outlook:
     probe_blocks: int = 0  # the L3 estimate has no evidence yet: one small chunk may be read to learn it
     query_s: float = 0.0  # how long an L3 existence query takes (measured; 0: unknown)
     unmeasured: bool = False  # the L3 estimate is still the configured prior (no read has landed)
+    waiting: int = 0  # requests queued behind this one: its prefill delays each of them (a read does not)
 
     def __post_init__(self):
         for f in ("prefill_s_per_block", "l3_latency_s", "l3_s_per_block", "backlog_s", "load_s_per_block",
@@ -55,12 +59,18 @@ class Outlook:
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"Outlook.{f} must be a finite non-negative number, not {v!r}")
+        if not (isinstance(self.waiting, int) and self.waiting >= 0):
+            raise ValueError(f"Outlook.waiting must be a non-negative int, not {self.waiting!r}")
         if not math.isfinite(self.eta):
             raise ValueError("Outlook.eta must be finite")
 
     @property
     def saving_per_block(self) -> float:
-        return self.prefill_s_per_block - self.load_s_per_block
+        """What restoring a block instead of computing it saves, in request-seconds of TTFT: the
+        request's own prefill of it, and the same for each of the ``waiting`` requests queued
+        behind it (the engine computes one prefill at a time, so every one of them starts that
+        much later; a read runs on the L3 lane, beside the engine)."""
+        return (self.prefill_s_per_block - self.load_s_per_block) * (1 + self.waiting)
 
     @property
     def restore_pays_per_block(self) -> bool:

@@ -25,14 +25,16 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg) -> Outlook |
     probe = cfg.probe_blocks if not est.measured and look.backlog_s == 0 else 0
     s_per_block = pessimistic(est.s_per_block, tier)
     backlog = look.backlog_s
-    if s_per_block >= rec.prefill_s_per_block - cfg.load_s_per_block and not rec.demanded:
+    saving = (rec.prefill_s_per_block - cfg.load_s_per_block) * (1 + rec.waiting)  # (Outlook.saving_per_block)
+    if s_per_block >= saving and not rec.demanded:
         # restoring does not pay per block: a read is worth it only if it lands before the
         # prefill starts, and a queued request's read can still be overtaken by every read now
         # queued (an older session's next chunk, a request that becomes a candidate): plan
         # behind all of them, or a busy lane pushes the reads past the ETA and the request waits
         backlog = max(backlog, tier.read_outlook(ALL_QUEUED).backlog_s)
     return Outlook(eta, rec.prefill_s_per_block, est.latency_s, s_per_block,
-                   backlog, cfg.load_s_per_block, probe, tier.query_s, unmeasured=not est.measured)
+                   backlog, cfg.load_s_per_block, probe, tier.query_s, unmeasured=not est.measured,
+                   waiting=rec.waiting)
 
 
 ALL_QUEUED = 1 << 62  # a read priority behind every queued read (see read_priority)

@@ -132,6 +132,7 @@ class SessionManager(Service):
         if policy == Policy.COST_AWARE:
             rec.eta = now + msg["eta_s"] if msg.get("eta_s") is not None else None
             rec.prefill_s_per_block = msg.get("prefill_s_per_block") or c.prefill_s_per_block
+            self._take_waiting(rec, msg)
         params = Params(policy, total, resident, chunk, c.window, deadline,
                         checkpoint_every=msg.get("checkpoint_every") or 0,
                         checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now),
@@ -153,6 +154,7 @@ class SessionManager(Service):
         if rec is None:
             raise OpError(ErrorCode.UNKNOWN_ID, f"no prefetch for request {msg['req']!r}")
         drain_s = msg.get("drain_s")
+        self._take_waiting(rec, msg)
         self._demand(rec, admitted=drain_s is not None)
         if drain_s is not None and rec.machine.state == State.DRAINING and not rec.machine.reads_outlast_admission:
             # the engine admits the request within drain_s: a read landing later is of no use to
@@ -164,6 +166,14 @@ class SessionManager(Service):
             else:
                 self.host.call_at(self.clock() + drain_s, self._drain_expired, rec.id, True)
         return self._view(rec)
+
+    def _take_waiting(self, rec: Record, msg: dict) -> None:
+        """cost_aware: how many requests the engine has queued behind this one (``waiting`` of a
+        ``prefetch``, ``demand`` or ``poll``; kept until the next says otherwise).  Used by the
+        next decision (:attr:`cost.Outlook.saving_per_block`); ignored without
+        ``sessions.queue_aware``."""
+        if self.cfg.queue_aware and msg.get("waiting") is not None and rec.policy == Policy.COST_AWARE.value:
+            rec.waiting = msg["waiting"]
 
     def _demand(self, rec: Record, admitted: bool = False) -> None:
         """The request became a scheduling candidate (``demand``, or a ``poll`` with ``demand``);
@@ -199,6 +209,7 @@ class SessionManager(Service):
             rec = self.records.get(self._key(conn, msg))
             if rec is None:
                 return {"state": "unknown"}
+            self._take_waiting(rec, msg)
             if msg.get("demand"):
                 self._demand(rec)
             eta_s = msg.get("eta_s")
@@ -275,6 +286,8 @@ class SessionManager(Service):
         m = rec.machine
         out = {"session": rec.id, "state": m.state.value, "policy": rec.policy, "published": m.published,
                "target": m.target, "planned": m.planned, "existed": existed}
+        if rec.policy == Policy.COST_AWARE.value:
+            out["waiting"] = rec.waiting  # (what its decisions weigh a block's prefill by: queue_aware)
         if m.state == State.TERMINAL:
             lease = self.pool.result_of(rec.key, rec.id)
             out.update(status=m.status.value, prefix=m.prefix, reason=m.reason,

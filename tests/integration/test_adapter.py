@@ -148,6 +148,43 @@ def test_check_queue_is_the_scan_stopping_at_the_first_ready_request(sidecar_fac
     ad.close()
 
 
+def test_a_scan_tells_each_session_how_many_requests_its_prefill_holds_up(sidecar_factory, instance, tmp_path,
+                                                                         read_gate):
+    """``check_queue`` sends each entry's ``waiting`` (:func:`waiting_behind` over the whole
+    queue: a follower of the same prefix is not counted), and the cost_aware session takes it."""
+    from ..waiting import wait_read_held
+
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 10.0, "sessions.read_with_query": False},
+                                **read_gate.overrides()))
+    ad = make_adapter(instance, policy="cost_aware", prefill_s_per_block=0.01)
+    assert ad.start()
+    assert serve(ad, "warm", TOKS, 1) == 0  # computed and stored in L3
+    wait_l3_idle(ad.conn)
+    ad.conn.flush()
+    follower = TOKS[:4] + [999] * (len(TOKS) - 4)  # the same first block, then its own
+    others = [[1000 + i] * len(TOKS) for i in range(2)]
+    for req, toks in (("q0", TOKS), ("q1", others[0]), ("q2", follower), ("q3", others[1])):
+        ad.on_queue_entry(req, toks, eta_s=5.0)
+    wait_read_held(ad.conn)  # q0 reads (a probe: no read has measured L3): running, not ready
+    sent = []
+    call = ad.conn.client.call
+    ad.conn.client.call = lambda op, **kw: (sent.append((op, kw)), call(op, **kw))[1]
+    try:
+        ad.check_queue([("q0", 5.0, False), ("q1", 5.0, False), ("q2", 5.0, False), ("q3", 5.0, False)], 3)
+    finally:
+        ad.conn.client.call = call
+    polls = next(kw["polls"] for op, kw in sent if op == "poll_scan")
+    assert [(e["req"], e.get("waiting")) for e in polls] == [("q0", 2), ("q1", 2), ("q2", 1), ("q3", 0)]
+    assert ad.conn.poll("q0")["waiting"] == 2  # q2 shares q0's first block: not held up by it
+    read_gate.open()
+    for req in ("q0", "q1", "q2", "q3"):
+        ad.on_abort(req)
+    wait_l3_idle(ad.conn)
+    s = books(ad)
+    assert s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0
+    ad.close()
+
+
 def test_a_scan_that_admits_leases_the_ready_request_in_the_same_round_trip(sidecar_factory, instance, tmp_path):
     """``check_queue(lease=True)``: the scan that finds a terminal session also leases it, so
     ``admit`` sends no ``get`` of its own and loads exactly the stored bytes; a scan's lease

@@ -476,3 +476,35 @@ def test_wait_for_terminal_outlasts_the_query(sidecar_factory, instance, tmp_pat
         v = c.wait("e", terminal=True, timeout_s=20.0)
         assert v["state"] == "terminal" and v["status"] == "complete" and v["prefix"] == N and not v.get("timed_out")
         assert get_and_check(c, l3_filled, "e", kv) == N
+
+
+@pytest.mark.parametrize("queue_aware", [True, False])
+def test_waiting_reaches_a_cost_aware_session_and_a_bad_count_is_refused(sidecar_factory, instance, tmp_path,
+                                                                        kv, l3_filled, queue_aware):
+    """``waiting`` (a prefetch's, a poll's, a scan entry's): how many queued requests the
+    session's prefill would hold up; a cost_aware session's view says what its decisions weigh
+    (0 with ``sessions.queue_aware`` off), other policies ignore it.  A count that is not a
+    non-negative int is refused, typed, and the sessions go on; data and books exact."""
+    sidecar_factory(**overrides(tmp_path, **{"sessions.queue_aware": queue_aware}))
+    on = 1 if queue_aware else 0
+    with KVConnector(instance, LAY) as c:
+        assert c.prefetch(l3_filled, "a", policy="cost_aware", eta_s=5.0, prefill_s_per_block=0.01,
+                          waiting=2)["waiting"] == 2 * on
+        assert "waiting" not in c.prefetch(l3_filled, "b", policy="best_effort", waiting=2)
+        assert c.poll("a", waiting=3)["waiting"] == 3 * on
+        assert c.poll("a")["waiting"] == 3 * on  # kept until the engine says otherwise
+        views = c.poll_scan([("a", None, False, 0, 5), ("b", None, False, 0, 4)], step=1, until_ready=False)
+        assert views[0]["waiting"] == 5 * on and "waiting" not in views[1]
+        for bad in (-1, 1.5, "3", True):
+            with pytest.raises(RemoteError) as ei:
+                c.client.call("poll", req="a", waiting=bad)
+            assert ei.value.code == ErrorCode.MALFORMED
+        with pytest.raises(RemoteError) as ei:
+            c.client.call("poll_scan", polls=[{"req": "a", "waiting": -2}])
+        assert ei.value.code == ErrorCode.MALFORMED
+        assert c.poll("a")["waiting"] == 5 * on  # refused: nothing changed
+        for r in ("a", "b"):
+            wait_terminal(c, r)
+            get_and_check(c, l3_filled, r, kv)
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0

@@ -4,6 +4,7 @@ engine and L3.  Deterministic, so these assert behaviour, data and accounting ex
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 
@@ -129,3 +130,51 @@ def test_jittered_costs_are_drawn_from_their_samples_deterministically():
     a, b = sv.Engine(p, "cost_aware", sv.request_stream(p)).run(), sv.Engine(p, "cost_aware", sv.request_stream(p)).run()
     assert [x["ttft_s"] for x in a["results"]] == [x["ttft_s"] for x in b["results"]]
     assert a["corrupt"] == 0 and a["books"] == "ok" and a["leases_left"] == 0
+
+
+def test_cost_aware_weighs_a_prefill_by_the_requests_queued_behind():
+    """L3 dearer per block than prefill (2x): a request alone recomputes (its own TTFT is lower
+    that way), and ``queue_aware`` changes nothing for it.  Under 0.9 load (the real table's
+    stream) requests queue behind each candidate, and every block a candidate computes holds
+    each of them up: with ``queue_aware`` (the scan tells each session how many it would hold
+    up) candidates restore on the L3 lane beside the engine: more is read from L3, the mean
+    TTFT drops by a third and the p90 does not rise.  Data and books exact either way."""
+    from scripts import simulate, ttft_bounds
+    from scripts.common import percentile
+
+    lay = simulate.make_layout(2)
+    stream = ttft_bounds.keyed_stream(simulate.stream_of(dict(
+        seed=11, requests=48, n_prefixes=6, prefix_tokens=2048, suffix_tokens=128, load=0.9,
+        compute_ms_per_ktok=50.0, pool_blocks=256)), lay)
+    p = sv.SimParams(tp=2, requests=48, compute_s_per_block=0.003125, l3_ratio=2.0, l3_latency_s=0.0015,
+                     pool_blocks=256, copy_s_per_block=2.3e-5)
+    got = {}
+    for name, part in (("alone", stream[:1]), ("load", stream)):
+        for aware in (False, True):
+            out = sv.Engine(dataclasses.replace(p, queue_aware=aware), "cost_aware", part).run()
+            assert out["corrupt"] == 0 and out["ranks_agree"] and out["books"] == "ok"
+            assert out["leases_left"] == 0 and out["staging_left"] == 0
+            assert len(out["results"]) == len(part)
+            got[name, aware] = out["results"]
+    assert got["alone", True] == got["alone", False]
+    assert got["alone", True][0]["hit_l3"] == 0  # alone, a read does not pay
+    l3 = {aware: sum(x["hit_l3"] for x in got["load", aware]) for aware in (False, True)}
+    ttfts = {aware: [x["ttft_s"] for x in got["load", aware]] for aware in (False, True)}
+    assert l3[True] > l3[False], l3
+    assert statistics.fmean(ttfts[True]) < 0.67 * statistics.fmean(ttfts[False])
+    assert percentile(ttfts[True], 0.9) <= percentile(ttfts[False], 0.9)
+
+
+def test_waiting_behind_counts_the_requests_a_prefill_holds_up():
+    """:func:`waiting_behind`: per queued request, those behind it that do not start with its
+    first block (a request of the same prefix gets the shared blocks from this one's prefill or
+    restore either way); an unknown chain shares with nobody."""
+    from kvsidecar.connector.adapter import waiting_behind
+
+    a1, a2, b1, c1 = (sv._key(x, 0) + sv._key(x + "'", 1) for x in ("a", "a", "b", "c"))
+    a2 = sv._key("a", 0) + sv._key("other", 1)  # the same first block as a1: a follower
+    assert waiting_behind([]) == []
+    assert waiting_behind([a1]) == [0]
+    assert waiting_behind([a1, b1, a2, c1]) == [2, 2, 1, 0]
+    assert waiting_behind([b"", a1, b""]) == [2, 1, 0]
+    assert waiting_behind([a1, a2, a1]) == [0, 0, 0]

@@ -56,6 +56,10 @@ def test_round_trip():
     (req(op="poll_scan", polls=[{"req": "a"}, {"eta_s": 1.0}]), ErrorCode.MALFORMED, 7),  # no req
     (req(op="poll_scan", polls=[{"req": "a", "eta_s": -1.0}]), ErrorCode.BAD_FIELD, 7),
     (req(op="poll_scan", polls=[{"req": "a", "demand": 1}]), ErrorCode.MALFORMED, 7),
+    (req(op="poll_scan", polls=[{"req": "a", "waiting": -1}]), ErrorCode.MALFORMED, 7),  # requests behind: a count
+    (req(op="poll", req="a", waiting=1.5), ErrorCode.MALFORMED, 7),
+    (req(op="demand", req="a", waiting="3"), ErrorCode.MALFORMED, 7),
+    (req(op="prefetch", req="r", chain=b"", waiting=True), ErrorCode.MALFORMED, 7),
     (req(op="poll_scan", polls=[{"req": "x" * 300}]), ErrorCode.TOO_LARGE, 7),
     (req(op="poll_scan", polls=[{"req": "a"}] * (p.MAX_SCAN + 1)), ErrorCode.TOO_LARGE, 7),
     (req(op="poll_scan", polls=[], until_ready="yes"), ErrorCode.MALFORMED, 7),
@@ -67,7 +71,8 @@ def test_bad_frames_get_typed_errors(data, code, rid):
 
 
 def test_poll_scan_entries_are_polls():
-    polls = [{"req": "a", "eta_s": 0.5, "demand": True}, {"req": "b", "attempt": 2}, {"req": "c", "eta_s": None}]
+    polls = [{"req": "a", "eta_s": 0.5, "demand": True, "waiting": 2}, {"req": "b", "attempt": 2, "waiting": 1},
+             {"req": "c", "eta_s": None}]
     m = p.decode_request(req(op="poll_scan", polls=polls, step=9, until_ready=True))
     assert m["polls"] == polls and m["step"] == 9
     assert p.decode_request(req(op="poll_scan", polls=[{"req": "a"}] * p.MAX_SCAN))["polls"][-1] == {"req": "a"}
@@ -75,7 +80,7 @@ def test_poll_scan_entries_are_polls():
     view = {"session": 2**40, "state": "terminal", "policy": "cost_aware", "published": 8192, "target": 8192,
             "planned": 8192, "existed": False, "status": "complete", "prefix": 8192, "reason": "x" * 40,
             "lease": 2**40, "restored": 8192, "chunks": 512, "chunk_ms_max": 123.456, "transfer_ms_max": 123.456,
-            "stop_ms": 12.345, "drain_ms": 12.345}
+            "stop_ms": 12.345, "drain_ms": 12.345, "waiting": 2**40}
     p.encode(p.ok_completion(1, {"views": [view] * p.MAX_SCAN}))
 
 

@@ -869,9 +869,13 @@ def test_a_dear_l3_plans_a_queued_request_behind_every_queued_read():
             return ReadOutlook(est, 0.05 if priority < (1 << 50) else 0.40)  # ahead of it vs all queued
 
     cfg = SimpleNamespace(load_s_per_block=0.0, probe_blocks=4)
-    rec = SimpleNamespace(policy="cost_aware", eta=1.0, prefill_s_per_block=PREFILL, demanded=False, id=7)
+    rec = SimpleNamespace(policy="cost_aware", eta=1.0, prefill_s_per_block=PREFILL, demanded=False, id=7, waiting=0)
     assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.40  # dear: behind everything queued
     assert outlook(rec, 0.0, FakeTier(0.004), cfg).backlog_s == 0.05  # cheap: what runs before it
+    rec.waiting = 2  # dear for the request alone, but its prefill would hold two more: a read pays
+    look = outlook(rec, 0.0, FakeTier(0.017), cfg)
+    assert look.waiting == 2 and look.restore_pays_per_block and look.backlog_s == 0.05
+    rec.waiting = 0
     rec.demanded = True  # a candidate's reads go first: only what is ahead of it counts
     assert outlook(rec, 0.0, FakeTier(0.017), cfg).backlog_s == 0.05
 
