@@ -56,23 +56,30 @@ def blocks_not_computed(view: dict | None) -> int:
     return max(view.get("planned", 0) or 0, view.get("published", 0) or 0)
 
 
-def waiting_behind(chains: list) -> list[int]:
-    """Per request of a waiting queue (``chains`` in queue order; empty: unknown), how many of the
-    requests queued behind it its prefill delays: those that do not start with its first block.
+def waiting_behind(firsts: list) -> list[int]:
+    """Per request of a waiting queue (``firsts``: each one's first block, in queue order, as any
+    hashable key: its chain's first key, the first page's token ids; empty or None: unknown), how
+    many of the requests queued behind it its prefill delays: those that do not start with its
+    first block.
     cost_aware weighs a block's prefill by them (``waiting``: a read runs on the L3 lane beside
     the engine, a prefill holds every one of them up).  A request of the same prefix is not
     counted: this one's prefill or restore puts the shared blocks in the pool for it either way
     (counted, a request read its prefix while the engine, freed, recomputed its followers that
     would have been pool hits: virtual replay, L3/prefill 1 at 0.9 load, 4 of 12 streams worse
     against 2).  One pass from the back: linear in the queue."""
-    out, behind, firsts = [0] * len(chains), 0, collections.Counter()
-    for i in range(len(chains) - 1, -1, -1):
-        first = chain_key(chains[i], 0) if chains[i] else b""
-        out[i] = behind - (firsts[first] if first else 0)
+    out, behind, seen = [0] * len(firsts), 0, collections.Counter()
+    for i in range(len(firsts) - 1, -1, -1):
+        first = firsts[i]
+        out[i] = behind - (seen[first] if first else 0)
         behind += 1
         if first:
-            firsts[first] += 1
+            seen[first] += 1
     return out
+
+
+def first_block(chain: bytes) -> bytes:
+    """A chain's first key (:func:`waiting_behind`'s key; empty for an empty chain)."""
+    return chain_key(chain, 0) if chain else b""
 
 
 @dataclasses.dataclass
@@ -265,7 +272,7 @@ class EngineAdapter:
         next scan, an abort or :meth:`close`)."""
         self._drop_ready()
         asked = []
-        behind = waiting_behind([self._chains.get(req, b"") for req, _, _ in scan]) if scan else []
+        behind = waiting_behind([first_block(self._chains.get(req, b"")) for req, _, _ in scan])
         for pos, (req, eta_s, demand) in enumerate(scan):
             if req not in self.prefetching:
                 break  # ready without asking: the scan stops here

@@ -28,8 +28,12 @@ Invariants:
   scheduler's own cumulative prefill accounting), over its recent increments (:class:`PrefillRate`).  It is measured per rank (wall time), so it
   differs slightly between ranks; therefore **one rank sends** (the TP group's rank 0): the
   session is the group's, so a single ETA stream is identical for every rank by construction.
+* **What a prefill holds up**: each update also says how many requests queued behind the
+  request do not share its first page (:func:`kvsidecar.connector.adapter.waiting_behind`, over
+  ``waiting_queue``): cost_aware weighs a block's prefill by them, as for any engine.
 * An update is sent only when the ETA moved materially (by more than ``rel`` of the last sent
-  *and* more than ``abs_s``; the last sent ETA counts down as time passes); one batch per scheduler iteration, handed to a sender thread (:class:`~kvsidecar.connector.background_calls.BackgroundCalls`; the scheduler loop
+  *and* more than ``abs_s``; the last sent ETA counts down as time passes), or the weight of
+  what the prefill holds up (``1 + waiting``) by more than ``rel``; one batch per scheduler iteration, handed to a sender thread (:class:`~kvsidecar.connector.background_calls.BackgroundCalls`; the scheduler loop
   never waits on the sidecar: a full hand-off queue drops the batch and counts it).
 """
 
@@ -42,6 +46,7 @@ import threading
 import time
 from typing import Callable, Iterable, Sequence
 
+from .adapter import waiting_behind
 from .background_calls import BackgroundCalls
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,7 @@ class Queued:
     rid: str
     attempt: int
     tokens: int
+    first: tuple | None = None  # its first page's token ids (None: shorter than a page)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,7 @@ class Ahead:
     rid: str
     attempt: int
     tokens_ahead: int  # tokens the scheduler prefills before this request's prefill starts
+    waiting: int = 0  # requests queued behind it that its prefill holds up (waiting_behind)
 
 
 def shared_prefix(ids: Sequence[int], others: Iterable[Sequence[int]], page: int) -> int:
@@ -81,10 +88,12 @@ def shared_prefix(ids: Sequence[int], others: Iterable[Sequence[int]], page: int
 
 
 def work_ahead(chunked_remaining: int, waiting: Sequence[Queued]) -> list[Ahead]:
-    """Tokens prefilled before each waiting request starts (admission order, FCFS)."""
+    """Tokens prefilled before each waiting request starts (admission order, FCFS), and the
+    requests behind it that its prefill holds up."""
     out, acc = [], max(0, int(chunked_remaining))
-    for q in waiting:
-        out.append(Ahead(q.rid, q.attempt, acc))
+    behind = waiting_behind([q.first for q in waiting])
+    for q, w in zip(waiting, behind):
+        out.append(Ahead(q.rid, q.attempt, acc, w))
         acc += max(0, int(q.tokens))
     return out
 
@@ -140,6 +149,7 @@ class EtaUpdate:
     rid: str
     attempt: int
     eta_s: float  # seconds from now until the request's prefill can start
+    waiting: int = 0  # requests queued behind it that its prefill holds up
 
 
 def material(prev: float | None, new: float, rel: float = REL_CHANGE, abs_s: float = ABS_CHANGE_S) -> bool:
@@ -156,17 +166,22 @@ class EtaPlanner:
 
     def __init__(self, rel: float = REL_CHANGE, abs_s: float = ABS_CHANGE_S, limit: int = 65536):
         self.rel, self.abs_s, self.limit = rel, abs_s, limit
-        self._sent: dict[tuple, tuple[float, float]] = {}  # (rid, attempt) -> (eta_s sent, sent at)
+        self._sent: dict[tuple, tuple[float, float, int]] = {}  # (rid, attempt) -> (eta_s, sent at, waiting)
         self._lock = threading.Lock()  # the scheduler thread plans, SGLang's prefetch thread reads
 
     def __len__(self) -> int:
         return len(self._sent)
 
-    def note_sent(self, rid: str, attempt: int, eta_s: float, now: float) -> None:
+    def note_sent(self, rid: str, attempt: int, eta_s: float, now: float, waiting: int = 0) -> None:
         with self._lock:
             if len(self._sent) >= self.limit:
                 self._sent.clear()  # bounded; a forgotten request just gets a fresh update
-            self._sent[(rid, attempt)] = (eta_s, now)
+            self._sent[(rid, attempt)] = (eta_s, now, waiting)
+
+    def last_waiting(self, rid: str, attempt: int) -> int | None:
+        with self._lock:
+            got = self._sent.get((rid, attempt))
+        return None if got is None else got[2]
 
     def last(self, rid: str, attempt: int, now: float) -> float | None:
         """The last sent ETA as it stands now (it counts down as time passes)."""
@@ -183,7 +198,8 @@ class EtaPlanner:
     def plan(self, ahead: Iterable[Ahead], s_per_token: float | None, now: float,
              tracked: Callable[[str, int], bool] = lambda rid, attempt: True, budget: int = 0) -> list[EtaUpdate]:
         """The updates to send now: requests ``tracked`` whose ETA (the batches ahead of the
-        request's own, :func:`batch_start`, at ``s_per_token``) moved materially."""
+        request's own, :func:`batch_start`, at ``s_per_token``) moved materially, or the weight of
+        what their prefill holds up (``1 + waiting``)."""
         if s_per_token is None:
             return []
         out = []
@@ -191,21 +207,26 @@ class EtaPlanner:
             if not tracked(a.rid, a.attempt):
                 continue
             eta = batch_start(a.tokens_ahead, budget) * s_per_token
-            if material(self.last(a.rid, a.attempt, now), eta, self.rel, self.abs_s):
-                out.append(EtaUpdate(a.rid, a.attempt, eta))
-                self.note_sent(a.rid, a.attempt, eta, now)
+            w = self.last_waiting(a.rid, a.attempt)
+            if (material(self.last(a.rid, a.attempt, now), eta, self.rel, self.abs_s)
+                    or (w is not None and material(1 + w, 1 + a.waiting, self.rel, 0.0))):
+                out.append(EtaUpdate(a.rid, a.attempt, eta, a.waiting))
+                self.note_sent(a.rid, a.attempt, eta, now, a.waiting)
         return out
 
 
 # -- SGLang glue (reads the scheduler; never waits on the sidecar) -----------------------------------
-def queued_of(req, shared: int = 0) -> Queued:
+def queued_of(req, shared: int = 0, page: int = 0) -> Queued:
     """A waiting SGLang ``Req``: the tokens its prefill computes (beyond its device and host
-    match, and beyond the ``shared`` prefix a request ahead of it computes first)."""
+    match, and beyond the ``shared`` prefix a request ahead of it computes first), and its first
+    ``page`` token ids (its first block: :func:`work_ahead`'s ``waiting``)."""
     handle = getattr(req, "cache_request_handle", None)
     attempt = getattr(handle, "attempt_id", 0) if handle is not None else 0
     total = len(req.origin_input_ids) + len(getattr(req, "output_ids", ()))
     done = int(getattr(req, "prefix_len", 0) or 0) + int(getattr(req, "host_hit_length", 0) or 0)
-    return Queued(str(req.rid), int(attempt or 0), max(0, total - max(done, shared)))
+    ids = req.origin_input_ids
+    first = tuple(ids[:page]) if page > 0 and len(ids) >= page else None
+    return Queued(str(req.rid), int(attempt or 0), max(0, total - max(done, shared)), first)
 
 
 def prefill_budget(scheduler) -> int:
@@ -247,7 +268,7 @@ class SchedulerEta:
         # (iteration, tuple of (rid, tokens_ahead)) of the last ``history`` iterations (tests)
         self.history: collections.deque = collections.deque(maxlen=history or None) if history else None
         self.iteration = 0
-        self.sent_log: collections.deque = collections.deque(maxlen=256)  # (rid, eta_s, state), newest last
+        self.sent_log: collections.deque = collections.deque(maxlen=256)  # (rid, eta_s, waiting, state), newest last
         self.scheduler = None  # SGLang's Scheduler, bound by the BEFORE hook
         self._shared: dict[str, int] = {}  # rid -> its prefix a request ahead computes first (when first seen)
 
@@ -265,7 +286,7 @@ class SchedulerEta:
                 if len(self._shared) >= 65536:
                     self._shared.clear()  # bounded; a request seen again is measured again
                 shared = self._shared[rid] = shared_prefix(r.origin_input_ids, ahead, self.tokens_per_block)
-            out.append(queued_of(r, shared))
+            out.append(queued_of(r, shared, self.tokens_per_block))
             ahead.append(r.origin_input_ids)
         return out
 
@@ -334,7 +355,7 @@ class SchedulerEta:
             return
         self.counters["round_trips"] += 1
         for u, state in zip(batch, states + [None] * (len(batch) - len(states))):
-            self.sent_log.append((u.rid, round(u.eta_s, 6), state))
+            self.sent_log.append((u.rid, round(u.eta_s, 6), u.waiting, state))
             self.counters["sent"] += 1
             if isinstance(state, str):  # the session's state as the sidecar answered
                 self.counters[f"sent_{state}"] += 1

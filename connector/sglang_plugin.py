@@ -394,7 +394,7 @@ def eta_for(backend: KvSidecarHiCacheStorage) -> SchedulerEta | None:
 
     def send(updates):
         t0 = time.perf_counter()
-        views = backend._call(lambda c: c.poll_scan([(u.rid, u.eta_s, False, u.attempt) for u in updates],
+        views = backend._call(lambda c: c.poll_scan([(u.rid, u.eta_s, False, u.attempt, u.waiting) for u in updates],
                                                     until_ready=False), None) or []
         if backend.trace is not None:
             t1 = time.perf_counter()

@@ -36,7 +36,7 @@ import heapq
 import itertools
 import random
 
-from kvsidecar.connector.adapter import blocks_not_computed, waiting_behind
+from kvsidecar.connector.adapter import blocks_not_computed, first_block, waiting_behind
 from kvsidecar.shm.layout import KVLayout
 from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
 from kvsidecar.sidecar.kv.index import KEY, unpack_ids
@@ -299,7 +299,7 @@ class Engine:
             self.sm.op_prefetch(c, dict(msg))
         if r.demand_after_start:  # (a scan's demand, sent after the prefetch on the same ring)
             r.demand_after_start = False
-            waiting = waiting_behind([q.chain for q in self.queue])[pos] if r in self.queue else 0
+            waiting = waiting_behind([first_block(q.chain) for q in self.queue])[pos] if r in self.queue else 0
             self._spmd(self.sm.op_demand, {"req": r.rid, "waiting": waiting})
             if self._ready(r):  # that scan's poll is read next: it finds the session ended
                 self._arm_step()
@@ -317,7 +317,7 @@ class Engine:
         if self.loop.t < self.busy_until:
             return
         self.step += 1
-        behind = waiting_behind([r.chain for r in self.queue])  # (what the adapter's scan tells each session)
+        behind = waiting_behind([first_block(r.chain) for r in self.queue])  # (what the adapter's scan tells each session)
         for pos, r in enumerate(self.queue):
             if r.starting:  # its prefetch not read yet: this scan's demand and poll come after it
                 if not r.demanded:

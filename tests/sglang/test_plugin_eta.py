@@ -52,11 +52,15 @@ def test_eta_hook_tp2(sidecar_factory, instance, tmp_path):
     # first prefill (0.3 s later, a new rate) request 2; with a chunked prefill ahead, both
     rate1 = (E.BUSY_US + 300_000) * 1e-6 / (1024 + t)
     assert r1["counters"].get("sent", 0) == 0 and not r1["sent_log"]
-    sent = [(rid, eta) for rid, eta, _state in r0["sent_log"]]
-    assert sent == [("eta-req-2", pytest.approx(t * rate1, abs=1e-6)),
-                    ("eta-req-1", pytest.approx(2 * t * rate1, abs=1e-6)),
-                    ("eta-req-2", pytest.approx(3 * t * rate1, abs=1e-6))], sent
-    assert r0["counters"]["sent"] == r0["counters"]["planned"] == 3
-    assert all(state not in ("unknown", "unavailable") for _r, _e, state in r0["sent_log"]), r0["sent_log"]
+    # (and at the first iteration, what each request's prefill holds up: ``waiting``, the requests
+    # behind it that do not share its first page; at queue entry nobody was behind it)
+    sent = [(rid, eta, w) for rid, eta, w, _state in r0["sent_log"]]
+    assert sent == [("eta-req-0", 0.0, 2),
+                    ("eta-req-1", pytest.approx(t * rate0, abs=1e-6), 1),
+                    ("eta-req-2", pytest.approx(t * rate1, abs=1e-6), 0),
+                    ("eta-req-1", pytest.approx(2 * t * rate1, abs=1e-6), 1),
+                    ("eta-req-2", pytest.approx(3 * t * rate1, abs=1e-6), 0)], sent
+    assert r0["counters"]["sent"] == r0["counters"]["planned"] == 5
+    assert all(state not in ("unknown", "unavailable") for *_, state in r0["sent_log"]), r0["sent_log"]
     books = r0["books"]
     assert books == {"invariants": "", "leases_live": 0, "pinned": 0, "session_staging": 0}, books

@@ -13,8 +13,29 @@ from kvsidecar.connector.sglang_eta import (Ahead, EtaPlanner, PrefillRate, Queu
 
 def test_work_ahead_in_admission_order_after_the_chunked_request():
     q = [Queued("a", 0, 100), Queued("b", 1, 0), Queued("c", 0, 50), Queued("d", 0, -3)]
-    assert work_ahead(30, q) == [Ahead("a", 0, 30), Ahead("b", 1, 130), Ahead("c", 0, 130), Ahead("d", 0, 180)]
+    assert work_ahead(30, q) == [Ahead("a", 0, 30, 3), Ahead("b", 1, 130, 2), Ahead("c", 0, 130, 1),
+                                 Ahead("d", 0, 180, 0)]  # (no first page known: every one behind counts)
     assert work_ahead(0, []) == []
+
+
+def test_work_ahead_counts_behind_each_request_those_its_prefill_holds_up():
+    """``waiting``: the requests behind that do not start with its first page (one that does
+    gets the shared pages from this one's prefill or restore either way)."""
+    q = [Queued("a", 0, 100, (1, 2)), Queued("b", 0, 100, (3, 4)), Queued("a2", 0, 40, (1, 2)),
+         Queued("c", 0, 100, None)]
+    assert [a.waiting for a in work_ahead(0, q)] == [2, 2, 1, 0]
+
+
+def test_planner_sends_a_material_change_of_what_a_prefill_holds_up():
+    p = EtaPlanner()
+    rate = 1e-3
+    assert [(u.rid, u.waiting) for u in p.plan([Ahead("a", 0, 400, 0)], rate, now=1.0)] == [("a", 0)]
+    assert p.plan([Ahead("a", 0, 400, 0)], rate, now=1.0) == []
+    sent = p.plan([Ahead("a", 0, 400, 5)], rate, now=1.0)  # weight 1 -> 6: sent, with the same ETA
+    assert [(u.rid, u.eta_s, u.waiting) for u in sent] == [("a", pytest.approx(0.4), 5)]
+    assert p.plan([Ahead("a", 0, 400, 6)], rate, now=1.0) == []  # 6 -> 7: +17 %, not material
+    assert p.last_waiting("a", 0) == 5
+    assert [u.waiting for u in p.plan([Ahead("a", 0, 400, 8)], rate, now=1.0)] == [8]  # 6 -> 9: sent
 
 
 def test_shared_prefix_is_whole_pages_any_request_ahead_starts_with():
@@ -208,4 +229,4 @@ def test_an_iterations_updates_go_in_one_round_trip_and_a_failed_one_leaves_the_
     assert (c["batches"], c["round_trips"], c["sent"], c["send_failed"]) == (3, 2, 4, 2)
     assert (c["sent_running"], c["sent_terminal"]) == (2, 1)
     # a short answer: the update it did not cover is logged without a state
-    assert [state for _rid, _eta, state in eta.sent_log] == ["running", "terminal", "running", None]
+    assert [state for _rid, _eta, _w, state in eta.sent_log] == ["running", "terminal", "running", None]

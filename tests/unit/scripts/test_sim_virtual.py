@@ -169,12 +169,17 @@ def test_waiting_behind_counts_the_requests_a_prefill_holds_up():
     """:func:`waiting_behind`: per queued request, those behind it that do not start with its
     first block (a request of the same prefix gets the shared blocks from this one's prefill or
     restore either way); an unknown chain shares with nobody."""
-    from kvsidecar.connector.adapter import waiting_behind
+    from kvsidecar.connector.adapter import first_block, waiting_behind
 
-    a1, a2, b1, c1 = (sv._key(x, 0) + sv._key(x + "'", 1) for x in ("a", "a", "b", "c"))
+    a1, b1, c1 = (sv._key(x, 0) + sv._key(x + "'", 1) for x in ("a", "b", "c"))
     a2 = sv._key("a", 0) + sv._key("other", 1)  # the same first block as a1: a follower
-    assert waiting_behind([]) == []
-    assert waiting_behind([a1]) == [0]
-    assert waiting_behind([a1, b1, a2, c1]) == [2, 2, 1, 0]
-    assert waiting_behind([b"", a1, b""]) == [2, 1, 0]
-    assert waiting_behind([a1, a2, a1]) == [0, 0, 0]
+
+    def behind(*chains):
+        return waiting_behind([first_block(c) for c in chains])
+
+    assert behind() == []
+    assert behind(a1) == [0]
+    assert behind(a1, b1, a2, c1) == [2, 2, 1, 0]
+    assert behind(b"", a1, b"") == [2, 1, 0]
+    assert behind(a1, a2, a1) == [0, 0, 0]
+    assert waiting_behind([(1, 2), None, (1, 2), (3,)]) == [2, 2, 1, 0]  # any key: token ids too
