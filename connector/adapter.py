@@ -242,7 +242,8 @@ class EngineAdapter:
         """(ready to admit, tokens restorable).  Identical on every rank for the same step.
         ``demand``: the request just became a scheduling candidate — :meth:`on_candidate` and this
         check in one round trip (a scheduler that demands and checks in the same scan).
-        ``waiting``: the requests queued behind it (cost_aware weighs its prefill by them)."""
+        ``waiting``: the queued requests its prefill would hold up (:func:`waiting_behind`;
+        cost_aware weighs a block's prefill by them)."""
         if req not in self.prefetching:
             return True, 0
         view = self._call(lambda: self.conn.poll(req, step=step, eta_s=eta_s, demand=demand, waiting=waiting),

@@ -88,7 +88,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     # over what has landed by then and leaves its later reads behind
     "demand": OpSchema({"req": STR}, {"attempt": INT, "drain_s": FLOAT, "waiting": INT}, kv=True),
     "abort": OpSchema({"req": STR}, {"attempt": INT}, kv=True),
-    # ``waiting`` (prefetch, demand, poll): the requests the engine has queued behind this one (cost_aware)
+    # ``waiting`` (prefetch, demand, poll): the queued requests this one's prefill would hold up (cost_aware)
     "poll": OpSchema({"req": STR}, {"attempt": INT, "step": INT, "eta_s": FLOAT, "demand": BOOL, "waiting": INT},
                      kv=True),
     "wait": OpSchema({"req": STR}, {"attempt": INT, "until": INT, "terminal": BOOL, "wait_s": FLOAT}, kv=True),

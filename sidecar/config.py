@@ -153,9 +153,9 @@ class SessionsConfig:
     # trip less on every hit; a chunk past the hit is fitted to it, or taken back unstarted).
     # Not for wait_complete (one claim) nor a cost_aware probe.
     read_with_query: bool = True
-    # cost_aware weighs a block's prefill by the requests the engine says are queued behind the
-    # request (``waiting``): each of them starts that much later, while a read holds only the L3
-    # lane.  False: every request is planned as if it were alone (its own TTFT only).
+    # cost_aware weighs a block's prefill by the queued requests the engine says it would hold up
+    # (``waiting``): each of them starts that much later, while a read holds only the L3 lane.
+    # False: every request is planned as if it were alone (its own TTFT only).
     queue_aware: bool = True
 
 

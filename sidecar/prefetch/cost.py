@@ -10,7 +10,7 @@ when it is a scheduling candidate).  Restoring ``k`` more blocks lands them at
 land — one lane reads in order), and the prefill then starts at
 ``max(eta, land)`` instead of ``max(eta, land_current)`` (when what is already claimed lands).
 It saves ``k x (prefill_s_per_block - load_s_per_block)`` of prefill, for the request itself and
-for each of the ``waiting`` requests queued behind it (:attr:`Outlook.saving_per_block`: the
+for each of the ``waiting`` queued requests its prefill would hold up (:attr:`Outlook.saving_per_block`: the
 engine is the one shared resource a queue waits on; a read holds only the L3 lane, and a
 scheduler that skips a request still reading serves the others meanwhile).  A chunk is claimed only
 while the saving exceeds the delay, which is exactly the marginal form of the serial optimum
@@ -51,7 +51,7 @@ class Outlook:
     probe_blocks: int = 0  # the L3 estimate has no evidence yet: one small chunk may be read to learn it
     query_s: float = 0.0  # how long an L3 existence query takes (measured; 0: unknown)
     unmeasured: bool = False  # the L3 estimate is still the configured prior (no read has landed)
-    waiting: int = 0  # requests queued behind this one: its prefill delays each of them (a read does not)
+    waiting: int = 0  # queued requests this one's prefill holds up, each by as long (a read does not)
 
     def __post_init__(self):
         for f in ("prefill_s_per_block", "l3_latency_s", "l3_s_per_block", "backlog_s", "load_s_per_block",
@@ -67,8 +67,8 @@ class Outlook:
     @property
     def saving_per_block(self) -> float:
         """What restoring a block instead of computing it saves, in request-seconds of TTFT: the
-        request's own prefill of it, and the same for each of the ``waiting`` requests queued
-        behind it (the engine computes one prefill at a time, so every one of them starts that
+        request's own prefill of it, and the same for each of the ``waiting`` requests its prefill
+        would hold up (the engine computes one prefill at a time, so every one of them starts that
         much later; a read runs on the L3 lane, beside the engine)."""
         return (self.prefill_s_per_block - self.load_s_per_block) * (1 + self.waiting)
 
