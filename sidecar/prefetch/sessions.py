@@ -43,6 +43,10 @@ from kvsidecar.sidecar.prefetch.events import (Abort, ChunkDone, Demand, Finish,
                                                Start, State, Status, Tick)
 from kvsidecar.sidecar.prefetch.machine import Params, Session
 
+# cost_aware's ``waiting`` is taken up to this: a longer queue changes no decision (every read
+# already pays many times over), and the weight stays a small finite factor in every deadline
+MAX_WAITING = 4096
+
 
 class SessionManager(Service):
     def __init__(self, core: KVCore, tier: SessionTier | None, cfg, clock=time.monotonic,
@@ -171,9 +175,9 @@ class SessionManager(Service):
         """cost_aware: how many requests the engine has queued behind this one (``waiting`` of a
         ``prefetch``, ``demand`` or ``poll``; kept until the next says otherwise).  Used by the
         next decision (:attr:`cost.Outlook.saving_per_block`); ignored without
-        ``sessions.queue_aware``."""
+        ``sessions.queue_aware``; capped at :data:`MAX_WAITING`."""
         if self.cfg.queue_aware and msg.get("waiting") is not None and rec.policy == Policy.COST_AWARE.value:
-            rec.waiting = msg["waiting"]
+            rec.waiting = min(msg["waiting"], MAX_WAITING)
 
     def _demand(self, rec: Record, admitted: bool = False) -> None:
         """The request became a scheduling candidate (``demand``, or a ``poll`` with ``demand``);

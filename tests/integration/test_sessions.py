@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.sidecar.prefetch.sessions import MAX_WAITING
 from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
 
@@ -503,6 +504,7 @@ def test_waiting_reaches_a_cost_aware_session_and_a_bad_count_is_refused(sidecar
             c.client.call("poll_scan", polls=[{"req": "a", "waiting": -2}])
         assert ei.value.code == ErrorCode.MALFORMED
         assert c.poll("a")["waiting"] == 5 * on  # refused: nothing changed
+        assert c.poll("a", waiting=2**63 - 1)["waiting"] == MAX_WAITING * on  # taken up to the cap
         for r in ("a", "b"):
             wait_terminal(c, r)
             get_and_check(c, l3_filled, r, kv)

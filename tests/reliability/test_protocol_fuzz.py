@@ -221,17 +221,19 @@ FIELD = {
     "demand": st.booleans(),
     "wait_s": st.sampled_from([0, 0.0, 1e-4, 0.001, 0.02]),
     "drain_s": st.sampled_from([0, 0.0, 1e-4, 0.005, 0.02, 1e9]) | st.floats(0, 0.1),
+    "waiting": st.sampled_from([0, 1, 3, 255, MAX_ID]),  # (cost_aware: the requests a prefill holds up)
     "until_ready": st.booleans(),
     "get": st.booleans(),  # (a poll_scan that leases the terminal session it stops at)
 }
 # a poll_scan's entries: mostly well-formed polls of real and unknown requests, sometimes a bad
 # entry (a missing req, a junk field value, not a map) or a list over MAX_SCAN
 _poll_entry = st.fixed_dictionaries({"req": reqs}, optional={
-    "attempt": FIELD["attempt"], "eta_s": FIELD["eta_s"], "demand": FIELD["demand"]})
+    "attempt": FIELD["attempt"], "eta_s": FIELD["eta_s"], "demand": FIELD["demand"], "waiting": FIELD["waiting"]})
 FIELD["polls"] = st.one_of(
     st.lists(_poll_entry, max_size=6), st.lists(_poll_entry, max_size=6),
     st.lists(_poll_entry | st.fixed_dictionaries({"attempt": FIELD["attempt"]})
-             | st.fixed_dictionaries({"req": reqs, "eta_s": st.just(-1.0) | texts}) | small_ints, max_size=4),
+             | st.fixed_dictionaries({"req": reqs, "eta_s": st.just(-1.0) | texts})
+             | st.fixed_dictionaries({"req": reqs, "waiting": st.just(-1) | texts}) | small_ints, max_size=4),
     st.builds(lambda n: [{"req": "r"}] * n, st.sampled_from([P.MAX_SCAN, P.MAX_SCAN + 1])))
 FUZZ_OPS = sorted(op for op in P.OP_SCHEMAS if op != "detach")  # a detach would end the fuzzing client
 # the ops that touch state, twice as often
