@@ -172,8 +172,8 @@ class SessionManager(Service):
         return self._view(rec)
 
     def _take_waiting(self, rec: Record, msg: dict) -> None:
-        """cost_aware: how many requests the engine has queued behind this one (``waiting`` of a
-        ``prefetch``, ``demand`` or ``poll``; kept until the next says otherwise).  Used by the
+        """cost_aware: how many queued requests the engine says this one's prefill would hold up
+        (``waiting`` of a ``prefetch``, ``demand`` or ``poll``; kept until the next says otherwise).  Used by the
         next decision (:attr:`cost.Outlook.saving_per_block`); ignored without
         ``sessions.queue_aware``; capped at :data:`MAX_WAITING`."""
         if self.cfg.queue_aware and msg.get("waiting") is not None and rec.policy == Policy.COST_AWARE.value:
