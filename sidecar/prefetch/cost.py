@@ -38,6 +38,12 @@ import dataclasses
 import math
 
 
+def block_saving(prefill_s_per_block: float, load_s_per_block: float, waiting: int) -> float:
+    """:attr:`Outlook.saving_per_block` from its inputs (also for a decision taken before the
+    outlook is built: ``estimates.outlook``'s backlog rule)."""
+    return (prefill_s_per_block - load_s_per_block) * (1 + waiting)
+
+
 @dataclasses.dataclass(frozen=True)
 class Outlook:
     """The cost inputs at one instant (seconds; ``eta`` and times on the machine's clock)."""
@@ -70,7 +76,7 @@ class Outlook:
         request's own prefill of it, and the same for each of the ``waiting`` requests its prefill
         would hold up (the engine computes one prefill at a time, so every one of them starts that
         much later; a read runs on the L3 lane, beside the engine)."""
-        return (self.prefill_s_per_block - self.load_s_per_block) * (1 + self.waiting)
+        return block_saving(self.prefill_s_per_block, self.load_s_per_block, self.waiting)
 
     @property
     def restore_pays_per_block(self) -> bool:

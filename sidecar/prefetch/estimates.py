@@ -7,7 +7,7 @@ Pure functions of (record, tier, config) on the control thread; no state of thei
 from __future__ import annotations
 
 from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
-from kvsidecar.sidecar.prefetch.cost import Outlook
+from kvsidecar.sidecar.prefetch.cost import Outlook, block_saving
 from kvsidecar.sidecar.prefetch.events import Policy
 from kvsidecar.sidecar.prefetch.records import Record
 
@@ -25,8 +25,7 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg) -> Outlook |
     probe = cfg.probe_blocks if not est.measured and look.backlog_s == 0 else 0
     s_per_block = pessimistic(est.s_per_block, tier)
     backlog = look.backlog_s
-    saving = (rec.prefill_s_per_block - cfg.load_s_per_block) * (1 + rec.waiting)  # (Outlook.saving_per_block)
-    if s_per_block >= saving and not rec.demanded:
+    if s_per_block >= block_saving(rec.prefill_s_per_block, cfg.load_s_per_block, rec.waiting) and not rec.demanded:
         # restoring does not pay per block: a read is worth it only if it lands before the
         # prefill starts, and a queued request's read can still be overtaken by every read now
         # queued (an older session's next chunk, a request that becomes a candidate): plan
