@@ -151,6 +151,36 @@ def paired(trials: list, mbps: float) -> dict:
     return out
 
 
+PHASES = ("entry", "queue", "prefill", "rest")
+
+
+def paired_phases(trials: list, mbps: float) -> dict:
+    """Where a kvsidecar arm's requests lose or gain against ``no_prefetch``: per arm at this L3
+    speed, each request's TTFT and SGLang's own phases (``--server-times``: entry, queue,
+    prefill, rest) minus the same request's in ``no_prefetch`` of the same trial (the same
+    workload, minutes apart), as median and mean over every paired request (ms).  A request's
+    place in the stream is its index, identical across the arms of a trial.  Empty without
+    ``server_s`` on both sides (the stats are not made up)."""
+    key = f"@{mbps:g}"
+    out = {}
+    for name in sorted({k for t in trials for k in t if k.endswith(key)}):
+        deltas = {p: [] for p in ("ttft", *PHASES)}
+        for t in trials:
+            arm, base = t.get(name) or {}, t.get("no_prefetch") or {}
+            a_s, b_s = arm.get("server_s") or (), base.get("server_s") or ()
+            for i, (a, b) in enumerate(zip(a_s, b_s)):
+                if not (a and b):
+                    continue
+                deltas["ttft"].append(arm["ttft_ms"][i] - base["ttft_ms"][i])
+                for p in PHASES:
+                    deltas[p].append((a[p] - b[p]) * 1e3)
+        if deltas["ttft"]:
+            out[name.removesuffix(key)] = {
+                p: {"median": round(statistics.median(xs), 2), "mean": round(statistics.fmean(xs), 2)}
+                for p, xs in deltas.items()} | {"requests": len(deltas["ttft"])}
+    return out
+
+
 def pooled(trials: list, mbps: float, slack: float = 1.05, reps: int = 2000) -> dict:
     """Per quantile: cost_aware's quantile over every request of every trial against min(no_prefetch,
     whole_task)'s (:func:`scripts.trials.pooled_ratio`), with a 90 % bootstrap interval over the
@@ -544,6 +574,7 @@ def main(argv=None) -> int:
         row["verdict"] = verdicts(row)
         row["paired"] = paired(results, row["l3"]["bandwidth_mbps"])
         row["pooled"] = pooled(results, row["l3"]["bandwidth_mbps"])
+        row["paired_phases"] = paired_phases(results, row["l3"]["bandwidth_mbps"])
     write_json(a.json, doc, indent=1)
     print_table(doc)
     return 0
@@ -585,6 +616,9 @@ def print_table(doc: dict) -> None:
                   f"min {v['best_other']}: {v['ratio']:.3f}, 90 % interval over trials [{v['ci90'][0]:.3f}.."
                   f"{v['ci90'][1]:.3f}]: {'met' if v['met'] else 'MISSED'}"
                   f"{'' if v['met_ci'] == v['met'] else (' (the interval reaches past 1.05)' if v['met'] else ' (the interval reaches under 1.05)')}")
+        for arm, v in row.get("paired_phases", {}).items():
+            print(f"  {arm} - no_prefetch, paired per request ({v['requests']}), median / mean ms: "
+                  + "  ".join(f"{p} {v[p]['median']:+.1f} / {v[p]['mean']:+.1f}" for p in ("ttft", *PHASES)))
     print("hit probe (median over probes and trials): cold / hit TTFT ms")
     for key, v in doc["probe"].items():
         print(f"  {key:18s} cold {v['cold_p50_ms']:8.1f}  hit {v['hit_p50_ms']:8.1f}  x{v['hit_over_cold']:.2f}  "

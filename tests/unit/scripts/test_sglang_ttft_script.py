@@ -3,7 +3,8 @@ minutes: ``.sglang-venv/bin/python -m scripts.sglang_ttft --quick --json FILE``)
 
 import pytest
 
-from scripts.sglang_ttft import ARMS, make_workload, paired, percentile, pooled, rows, summarize, verdicts
+from scripts.sglang_ttft import (ARMS, make_workload, paired, paired_phases, percentile, pooled, rows, summarize,
+                                 verdicts)
 
 
 def test_workload_shares_prefixes_and_arrives_in_order():
@@ -158,3 +159,24 @@ def test_sglangs_own_time_stats_and_cpu_are_summarised_per_arm():
     assert arm["server_ms"] == {"entry": 2.0, "queue": 20.0, "prefill": 80.0, "rest": 1.0}  # over every request
     assert arm["trials"]["cpu_s"]["server"]["median"] == 7.0
     assert "server_ms" not in doc[0]["arms"]["whole_task"]  # (no stats: not made up)
+
+
+def test_paired_phases_subtract_the_same_request_of_no_prefetch_in_the_same_trial():
+    """Per kvsidecar arm at one L3 speed: each request's TTFT and SGLang phases minus the same
+    request's in no_prefetch of its own trial; a slow trial (every arm 3x) does not leak into a
+    delta of another trial's requests."""
+    def stats(prefill_s):
+        return [{"entry": 0.002, "queue": 0.001, "prefill": prefill_s, "rest": 0.001}] * 10
+    trials = [_trial(1.0), _trial(3.0)]
+    for t, scale in zip(trials, (1.0, 3.0)):
+        t["no_prefetch"]["server_s"] = stats(0.050 * scale)
+        t["cost_aware@80"]["server_s"] = stats(0.054 * scale)  # 4 ms (x scale) more in the prefill
+    out = paired_phases(trials, 80)
+    assert set(out) == {"cost_aware"}  # timeout / whole_task have no stats: no pairs made up
+    ca = out["cost_aware"]
+    assert ca["requests"] == 20
+    assert ca["prefill"]["median"] == pytest.approx(8.0) and ca["prefill"]["mean"] == pytest.approx(8.0)
+    assert ca["entry"] == {"median": 0.0, "mean": 0.0}
+    # TTFT: cost_aware 120 / 240 (x scale) against no_prefetch 100 / 200 per request, paired in-trial
+    assert ca["ttft"]["mean"] == pytest.approx((9 * 20 + 40 + 9 * 60 + 120) / 20)
+    assert paired_phases(trials, 2000) == {}  # no stats at that speed
