@@ -166,9 +166,9 @@ def hides_behind_queue(o: Outlook, allowed: bool) -> bool:
     for the whole hit it was told (SGLang's ``fixed_hit``: ``wait_complete`` on the planned
     pages) pays the read's whole remaining time when the ETA was early, and its storage
     threads serve requests in order, so the requests behind wait too: measured in genuine
-    SGLang at 8 Mbit/s (a block's read ~16 ms against ~0.5 ms of prefill), the 11 trials where
-    cost_aware read 8-24 blocks had TTFT p90 455-1,137 ms (median 743); the 39 where it read
-    nothing, 112-506 (median 208); no_prefetch's 32, median 138."""
+    SGLang at 8 Mbit/s (a block's read ~16 ms against ~0.5 ms of prefill), the trials where
+    cost_aware read 8-24 blocks behind the queue had TTFT p90 455-1,137 ms against 102-254 for
+    no_prefetch; those where it read nothing, 112-270."""
     return allowed or o.restore_pays_per_block
 
 
