@@ -103,6 +103,9 @@ def summarize(ttfts_s, storage_tokens, outputs_match) -> dict:
             "ttft_ms": [round(x, 2) for x in ms]}
 
 
+PHASES = ("entry", "queue", "prefill", "rest")  # SGLang's own time stats per request (--server-times)
+
+
 def rows(trials: list, speeds: list) -> list:
     """The JSON rows: per L3 speed, every arm's figures aggregated over trials (``no_prefetch``
     and ``sglang_file`` do not use kvsidecar's L3: the same measurement serves every row)."""
@@ -123,7 +126,7 @@ def rows(trials: list, speeds: list) -> list:
                 times = [x for s in samples for x in (s.get("server_s") or ()) if x]
                 if times:  # SGLang's own time stats (--server-times), median over every request
                     arms[arm]["server_ms"] = {k: round(statistics.median(x[k] for x in times) * 1e3, 2)
-                                              for k in ("entry", "queue", "prefill", "rest")}
+                                              for k in PHASES}
                 if every:  # the arm's quantiles over every request of every trial (see pooled())
                     arms[arm]["pooled"] = {"ttft_p50_ms": round(percentile(every, 50), 2),
                                            "ttft_p90_ms": round(percentile(every, 90), 2), "requests": len(every)}
@@ -149,9 +152,6 @@ def paired(trials: list, mbps: float) -> dict:
             out[q] = {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
                       "max": round(max(ratios), 3), "n": len(ratios)}
     return out
-
-
-PHASES = ("entry", "queue", "prefill", "rest")
 
 
 def paired_phases(trials: list, mbps: float) -> dict:
