@@ -63,7 +63,8 @@ class CostRules:
         out beside the query), or, queued, the chunk read beyond the plan?"""
         remaining, chunk = self.p.total - self.p.resident, self.p.chunk_max_blocks
         beside = self.state == State.CREATED and self._reads_beside_query
-        if cost.worth_querying(self.outlook, now, remaining, chunk, asked_at, read_with_query=beside):
+        if cost.worth_querying(self.outlook, now, remaining, chunk, asked_at, read_with_query=beside,
+                               hide_behind_queue=not self.p.fixed_hit):
             return True
         return not self.p.fixed_hit and cost.queued_chunk(self.outlook, now, remaining, chunk) > 0
 
@@ -113,7 +114,7 @@ class CostRules:
         current_end = max(self.expected_end, now + o.backlog_s) if self.in_flight else now
         end = self.target if self.hit_cap is None else min(self.target, self.hit_cap)
         planned = cost.plan(o, now, end - self.next_pos, self.p.chunk_max_blocks, current_end,
-                            self.claimed_any, self.queued_s)
+                            self.claimed_any, self.queued_s, hide_behind_queue=not self.p.fixed_hit)
         n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
         if not self.p.fixed_hit:
             # queued, a whole chunk is read even where the plan (what lands by the ETA) ends

@@ -383,8 +383,10 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
     stays registered until the plugin, once the group agreed, ends it).  A chain resident in the
     pool is a hit: True, and the query SGLang's prefetch thread sends later answers the session's
     final prefix without a second round trip.  The same L3 chain for a request queued for 10 s
-    is worth reading behind the queue: True, and the query joins the running session and
-    answers its plan.  Without a sidecar: True (SGLang runs its operation as without this)."""
+    is not read either (SGLang waits for the whole hit it is told: ``cost.hides_behind_queue``);
+    where a block's read costs less than its prefill it is: True, and the query joins the
+    running session and answers its plan.  Without a sidecar: True (SGLang runs its operation
+    as without this)."""
     pool = HostPool(seed=5)
     b, cold, hot = cold_in_l3_hot_in_pool(sidecar_factory, instance, tmp_path, pool, "")
     assert b.start_at_entry("r-cold", 0, cold, eta_s=0.0, prefill_s_per_block=1e-4) is False
@@ -401,7 +403,10 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
     st = b.stats()
     assert st["sessions_started"] == 2 and st["sessions_joined"] == 0 and st["queries_answered_at_entry"] == 1, st
     assert st["entry_nothing_to_restore"] == 1 and b.resident("r-hot"), st
-    assert b.start_at_entry("r-queued", 0, cold, eta_s=10.0, prefill_s_per_block=1e-4) is True
+    assert b.start_at_entry("r-behind", 0, cold, eta_s=10.0, prefill_s_per_block=1e-4) is False
+    assert b.stats()["entry_nothing_to_restore"] == 2
+    b.end("r-behind")
+    assert b.start_at_entry("r-queued", 0, cold, eta_s=10.0, prefill_s_per_block=1.0) is True
     with b.bind("r-queued"):
         assert b.batch_exists(cold) == CHAIN  # joins the running session: the plan lands within 10 s
     assert b.stats()["sessions_joined"] == 1
@@ -412,8 +417,9 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
     b.end("r-queued")
     assert b.flush_aborts(10.0)
     with b.connection() as c:
-        v = c.poll("r-cold")
-        assert v["state"] == "terminal" and v["status"] == "cost" and v["prefix"] == 0, v
+        for rid in ("r-cold", "r-behind"):
+            v = c.poll(rid)
+            assert v["state"] == "terminal" and v["status"] == "cost" and v["prefix"] == 0, v
         assert c.poll("r-hot")["prefix"] == CHAIN
         s = wait_until(lambda: c.stats(check=True), 10.0, "leases or pins left",
                        until=lambda s: s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0)
@@ -425,30 +431,32 @@ def test_cost_aware_decides_at_queue_entry_and_the_query_joins_it(sidecar_factor
 def test_entry_decisions_of_one_iteration_take_one_round(sidecar_factory, instance, tmp_path):
     """``start_at_entry_many`` (the gate's flush: the requests one scheduler iteration received):
     every start is sent, then every answer read, on one connection, each answer what
-    ``start_at_entry`` alone would have said -- an L3-only chain at an idle engine has nothing to
-    restore (False), a resident one is a hit, the same L3 chain 10 s behind the queue is worth
-    reading.  A start the sidecar refuses (bad input) answers True for that request alone and
+    ``start_at_entry`` alone would have said -- an L3-only chain has nothing to restore (False)
+    at an idle engine and 10 s behind the queue alike while L3 is dearer per block than prefill,
+    a resident one is a hit, the same L3 chain where a block's read costs less than its prefill
+    is worth reading.  A start the sidecar refuses (bad input) answers True for that request alone and
     leaves no session behind; a request without keys is not sent."""
     pool = HostPool(seed=7)
     b, cold, hot = cold_in_l3_hot_in_pool(sidecar_factory, instance, tmp_path, pool, "2")
     got = b.start_at_entry_many([("a-cold", 0, cold, 0.0, 1e-4), ("a-hot", 0, hot, 0.0, 1e-4),
                                  ("a-bad", 0, keys("bad"), "soon", 1e-4), ("a-none", 0, [], 0.0, 1e-4),
-                                 ("a-queued", 1, cold, 10.0, 1e-4)])
-    assert got == [False, True, True, True, True]
+                                 ("a-behind", 0, cold, 10.0, 1e-4), ("a-queued", 1, cold, 10.0, 1.0)])
+    assert got == [False, True, True, True, False, True]
     st = b.stats()
-    assert st["entry_sessions"] == 3 and st["entry_nothing_to_restore"] == 1 and st["entry_errors"] == 1, st
-    assert st["sessions_started"] == 3 and b.session("a-bad") is None and b.session("a-none") is None, st
+    assert st["entry_sessions"] == 4 and st["entry_nothing_to_restore"] == 2 and st["entry_errors"] == 1, st
+    assert st["sessions_started"] == 4 and b.session("a-bad") is None and b.session("a-none") is None, st
     assert b.resident("a-hot") is False  # (no query yet: residency is the query's report)
     with b.bind("a-queued", 1):
         assert b.batch_exists(cold) == CHAIN  # joins the running session
     with b.bind("a-hot"):
         assert b.batch_exists(hot) == CHAIN and b.resident("a-hot")
-    for rid, attempt in (("a-cold", 0), ("a-hot", 0), ("a-queued", 1)):
+    for rid, attempt in (("a-cold", 0), ("a-hot", 0), ("a-behind", 0), ("a-queued", 1)):
         b.end(rid, attempt)
     assert b.flush_aborts(10.0)
     with b.connection() as c:
-        v = c.poll("a-cold")
-        assert v["state"] == "terminal" and v["status"] == "cost" and v["prefix"] == 0, v
+        for rid in ("a-cold", "a-behind"):
+            v = c.poll(rid)
+            assert v["state"] == "terminal" and v["status"] == "cost" and v["prefix"] == 0, v
         s = wait_until(lambda: c.stats(check=True), 10.0, "leases or pins left",
                        until=lambda s: s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0)
         assert s["invariants"] == "" and s["sessions"]["orphans"] == 0, s

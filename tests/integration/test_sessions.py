@@ -510,3 +510,28 @@ def test_waiting_reaches_a_cost_aware_session_and_a_bad_count_is_refused(sidecar
             get_and_check(c, l3_filled, r, kv)
         s = books(c)
         assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+@pytest.mark.parametrize("fixed_hit", [False, True])
+def test_a_dearer_l3_is_read_behind_the_queue_only_for_an_engine_that_takes_what_is_resident(
+        sidecar_factory, instance, tmp_path, kv, l3_filled, fixed_hit):
+    """cost_aware, L3 dearer per block than prefill (the L3 measured at start), a far ETA: an
+    engine that takes what is resident gets what lands behind its queue; one that waits for the
+    whole hit it was told (``fixed_hit``, SGLang) is told the resident prefix -- here none -- and
+    nothing is read for it.  Bytes and books exact either way."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.bandwidth_mbps": 8.0}))  # ~1 ms a block: 100x the prefill
+    with KVConnector(instance, LAY) as c:
+        # the start-up calibration measured L3 (before it, a session probes: that is not this test)
+        wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda n: n >= 2)
+        reads = c.stats()["l3"].get("read_blocks_ok", 0)
+        c.prefetch(l3_filled, "r", policy="cost_aware", eta_s=5.0, prefill_s_per_block=1e-5, fixed_hit=fixed_hit)
+        view = wait_terminal(c, "r")
+        s = books(c)
+        if fixed_hit:
+            assert view["status"] == "cost" and view["prefix"] == 0 and view["planned"] == 0
+            assert s["l3"].get("read_blocks_ok", 0) == reads
+        else:
+            assert view["prefix"] == N and s["l3"].get("read_blocks_ok", 0) == reads + N
+        assert get_and_check(c, l3_filled, "r", kv) == view["prefix"]
+        s = books(c)
+        assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0

@@ -147,6 +147,27 @@ def test_second_chunk_in_the_window_queues_behind_the_first():
     assert second == 3 and cost.lands(o, 0.0, 3, end, queued) <= 0.2  # what still fits before the eta
 
 
+def test_a_fixed_hit_engine_plans_no_restore_dearer_than_prefill_not_even_behind_the_queue():
+    """An engine that waits for the whole hit it was told (SGLang) pays a dearer read's whole time
+    when the ETA was early: nothing dearer than prefill is planned for it, however far the ETA
+    (the 11 blocks an engine that takes what is resident would read by it), and the L3 query is
+    not worth waiting for.  Cheaper than prefill, it plans as any engine; a probe still reads."""
+    far = ol(eta=0.2, regime=SLOW)
+    assert cost.plan(far, 0.0, 100, 32, 0.0, False) == 11
+    assert cost.plan(far, 0.0, 100, 32, 0.0, False, hide_behind_queue=False) == 0
+    assert cost.worth_querying(far, 0.0, 100, 32)
+    assert not cost.worth_querying(far, 0.0, 100, 32, hide_behind_queue=False)
+    for fast in (ol(regime=FAST), ol(eta=0.2, regime=FAST)):
+        assert cost.plan(fast, 0.0, 100, 32, 0.0, False, hide_behind_queue=False) == cost.plan(fast, 0.0, 100, 32, 0.0, False) > 0
+        assert cost.worth_querying(fast, 0.0, 100, 32, hide_behind_queue=False)
+    # held-up requests make a read pay per block (the engine's time): then it is planned again
+    held = ol(eta=0.2, regime=SLOW, waiting=1)  # saving 2 x 10 ms > 17 ms a block
+    assert held.restore_pays_per_block and cost.plan(held, 0.0, 100, 32, 0.0, False, hide_behind_queue=False) > 0
+    probing = ol(eta=0.2, regime=SLOW, probe_blocks=4)
+    assert cost.plan(probing, 0.0, 100, 32, 0.0, False, hide_behind_queue=False) == 4
+    assert cost.worth_querying(probing, 0.0, 100, 32, hide_behind_queue=False)
+
+
 def test_outlook_refuses_nonsense():
     with pytest.raises(ValueError):
         Outlook(eta=0.0, prefill_s_per_block=-1, l3_latency_s=0, l3_s_per_block=0)
@@ -241,6 +262,24 @@ def test_machine_slow_l3_with_slack_reads_behind_the_queue_until_the_demand():
     assert claims(a) == [] and s.sealed and s.status == Status.COST and not s.keep_admitted
     f = run_to_end(s, 0.21)
     assert f == Finish(Status.COST, 24, "cost")  # (here nothing withdraws the chunks not started)
+
+
+def test_machine_a_fixed_hit_session_with_a_dearer_l3_keeps_its_pool_hit_and_reads_nothing():
+    """SGLang's session (``fixed_hit``) with L3 dearer than prefill and a far ETA: no L3 query is
+    sent, it ends at once with what the pool holds (the hit SGLang is told), no claim ever; the
+    same session for an engine that takes what is resident reads behind the queue as before."""
+    far = ol(eta=0.2, regime=SLOW)
+    s = Session(Params(Policy.COST_AWARE, 64, 5, 8, 2, None, outlook=far, fixed_hit=True))
+    a = s.handle(Start(0.0, eta_given=True))
+    assert a == [Finish(Status.COST, 5, "cost")] and s.planned == 5 and not s.chunks
+    # the query already out (sent before the outlook was known): its answer claims nothing
+    s = Session(Params(Policy.COST_AWARE, 64, 5, 8, 2, None, outlook=far, fixed_hit=True))
+    assert s.handle(Start(0.0)) == [Query(5)]
+    a = s.handle(QueryDone(64, 0.001, far))
+    assert claims(a) == [] and finish(a) == Finish(Status.COST, 5, "cost") and s.planned == 5
+    s = Session(Params(Policy.COST_AWARE, 64, 5, 8, 2, None, outlook=far))
+    s.handle(Start(0.0))
+    assert [c.count for c in claims(s.handle(QueryDone(64, 0.001, far)))] == [8, 8]
 
 
 def test_machine_planned_is_what_cost_aware_will_restore_not_the_whole_hit():
@@ -986,14 +1025,13 @@ def test_machine_a_fixed_hit_session_reads_nothing_beyond_its_plan():
     assert [c.count for c in claims(a)] == [8, 8]  # queued: read beyond the (empty) plan
     a = fixed.handle(Start(0.0, eta_given=True))  # (and for it the query cannot pay: not sent)
     assert a == [Finish(Status.COST, 0, "cost")]
-    # nor does a later plan reach past the hit it was told: here 11 blocks land by the ETA
+    # nor does a far ETA make it read: 11 blocks would land by it (hides_behind_queue), but the
+    # engine waits for all it was told, and a later ETA changes nothing
     s = Session(Params(Policy.COST_AWARE, 64, 0, 8, 2, None, outlook=ol(eta=0.2, regime=SLOW), fixed_hit=True))
     s.handle(Start(0.0))
     a = s.handle(QueryDone(64, 0.0, ol(eta=0.2, regime=SLOW)))
-    assert [c.count for c in claims(a)] == [8, 3] and s.planned == 11
-    a = s.handle(Replan(0.001, ol(eta=1.0, regime=SLOW)))  # a later ETA: more would fit, but not for it
-    assert claims(a) == []
-    assert run_to_end(s, 0.1) == Finish(Status.COST, 11, "cost")
+    assert claims(a) == [] and finish(a) == Finish(Status.COST, 0, "cost") and s.planned == 0
+    assert claims(s.handle(Replan(0.001, ol(eta=1.0, regime=SLOW)))) == []
 
 
 def test_executor_fixed_hit_comes_over_the_wire():
@@ -1002,10 +1040,10 @@ def test_executor_fixed_hit_comes_over_the_wire():
     c = b.chain("a", 40)
     b.prefetch("r", c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.05, fixed_hit=True)
     b.tier.answer_lookups()
-    assert [len(r.keys) // 16 for r in b.tier.reads] == [2]  # only what lands by the ETA (0.041 s)
+    assert b.tier.reads == []  # L3 dearer than prefill: nothing for an engine that waits for its hit
     b.prefetch("q", b.chain("b", 40), policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.05)
     b.tier.answer_lookups()
-    assert [len(r.keys) // 16 for r in b.tier.reads] == [2, 4, 4]  # the other: chunks beyond it (window 2)
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [4, 4]  # the other: chunks behind its queue (window 2)
     with pytest.raises(ProtocolError):
         decode_request(encode({"v": PROTOCOL_VERSION, "id": 1, "op": "prefetch", "req": "r", "chain": b"k" * 16,
                                "fixed_hit": "yes"}))
