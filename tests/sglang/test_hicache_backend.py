@@ -207,12 +207,15 @@ def test_with_real_mooncake_behind_the_sidecar(sidecar_factory, instance, tmp_pa
 
 
 def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, instance, tmp_path):
-    """SGLang fetches exactly the hit ``batch_exists`` reports, on its one I/O thread.  With L3
-    dearer than prefill (10 ms vs 5 ms a block) and the request 500 ms from its prefill,
-    cost_aware restores only what lands by then: that is the hit SGLang is told (not the 64-block
-    L3 hit), its pages arrive bit-exact, and the session restores no more than it.  (Before any
-    read, the write-behind's measured puts are the estimate: the first request plans on them,
-    no probe; the calibration at start is off, its reads would be that evidence.)"""
+    """SGLang fetches exactly the hit ``batch_exists`` reports, on its one I/O thread, and waits
+    for all of it (``fixed_hit``).  So cost_aware tells it its plan, not the L3 hit: with L3
+    dearer than prefill (10 ms a block against 5 ms) nothing is planned, not even the ~45 blocks
+    that would land before the request's prefill 500 ms away (an early ETA would make SGLang
+    wait for them all, and every request behind it): the hit is 0, the session ends ``cost``
+    with nothing read.  With L3 cheaper (10 ms against 20 ms) the whole 64-block hit is
+    planned, told and restored bit-exact.  (Before any read, the write-behind's measured puts
+    are the estimate: the first request plans on them, no probe; the calibration at start is
+    off, its reads would be that evidence.)"""
     pool = host_pool("layer_first")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
     block_bytes = layout_for_host_pool(pool, "tiny-llama", False).block_bytes
@@ -233,38 +236,51 @@ def test_cost_aware_reports_its_plan_not_the_whole_l3_hit(sidecar_factory, insta
         c.flush()  # only L3 holds the chains now
         cost = c.stats()["l3"]["cost"]
         assert cost["samples"] == 0 and cost["write_samples"] > 0, cost  # measured by the writes alone
-    b.eta_source = lambda rid, attempt: (0.5, 0.005)  # the plugin's ETA: prefill in 500 ms, 5 ms a block
+    b.eta_source = lambda rid, attempt: (0.5, 0.020)  # the plugin's ETA: prefill in 500 ms, 20 ms a block
     with b.bind("r-warm", 0):
-        assert b.batch_exists(warm) == 8  # 8 blocks at ~10 ms land well before the ETA: all of them, no probe
+        assert b.batch_exists(warm) == 8  # cheaper than prefill: all of them, no probe
     assert all(b.batch_get_v1(warm, page_indices(range(200, 208))))
     b.end("r-warm", 0, abort=False)
     with b.connection() as c:
-        wait_until(lambda: c.stats()["l3"]["cost"]["samples"] > 0, 10, "the probe to measure L3")
+        wait_until(lambda: c.stats()["l3"]["cost"]["samples"] > 0, 10, "the warm read to measure L3")
+        restored = c.stats()["sessions"]["restored_blocks"]
+    assert restored == 8
+
+    b.eta_source = lambda rid, attempt: (0.5, 0.005)  # prefill 5 ms a block: L3 is dearer
+    with b.bind("r-dear", 0):
+        assert b.batch_exists(ks) == 0  # nothing planned, though ~45 blocks would land by the ETA
+    assert b.batch_get_v1(ks[:1], page_indices(range(100, 101))) == [False]
+    with b.connection() as c:
+        final = c.wait("r-dear", attempt=0, terminal=True, timeout_s=10.0)
+        assert final["state"] == "terminal" and final["status"] == "cost" and final["prefix"] == 0, final
+        assert c.stats()["sessions"]["restored_blocks"] == restored  # not one block read for it
+    b.end("r-dear", 0, abort=False)
+
+    b.eta_source = lambda rid, attempt: (0.5, 0.020)
     with b.bind("r-plan", 0):
-        hit = b.batch_exists(ks)
-    assert 0 < hit < n, hit  # a plan that fits the queue, not the whole L3 hit
-    res = b.batch_get_v1(ks[:hit], page_indices(range(100, 100 + hit)))
-    got = res.count(True)
-    assert got > 0 and res == [True] * got + [False] * (hit - got), res  # a slow read may end it early
-    per_page = len(want) // n
-    assert page_bytes(pool, range(100, 100 + got)) == want[:got * per_page]
+        assert b.batch_exists(ks) == n  # the whole hit: each block's read saves 10 ms
+    assert all(b.batch_get_v1(ks, page_indices(range(100, 100 + n))))
+    assert page_bytes(pool, range(100, 100 + n)) == want
     with b.connection() as c:
         final = c.wait("r-plan", attempt=0, terminal=True, timeout_s=10.0)
-    assert final["state"] == "terminal" and final["status"] == "cost" and got <= final["prefix"] <= hit, final
+        assert final["state"] == "terminal" and final["status"] == "complete" and final["prefix"] == n, final
+        s = c.stats(check=True)
+    assert s["invariants"] == "" and s["sessions"]["restored_blocks"] == restored + n
     b.end("r-plan", 0, abort=False)
     b.close()
 
 
-@pytest.mark.parametrize("policy,prefill_s,ends", [("cost_aware", 0.005, True), ("cost_aware", 0.05, False),
+@pytest.mark.parametrize("policy,prefill_s,ends", [("best_effort", 0.005, True), ("cost_aware", 0.05, False),
                                                    ("wait_complete", 0.005, False)])
 def test_a_request_that_can_prefill_now_stops_its_l3_read(sidecar_factory, instance, tmp_path, policy,
                                                          prefill_s, ends):
     """The settler's ``stop_for_prefill`` (the request can start its prefill in this iteration):
-    a cost_aware session still reading its plan from L3 (64 blocks at ~10 ms, dearer than the
-    5 ms prefill, the request far from its prefill) ends on it with the prefix that landed --
-    SGLang's get then takes exactly those pages, bit-exact, and no more.  Reads cheaper than
-    prefill (50 ms a block) are worth SGLang's next admission: the session reads on (False) and
-    restores the whole hit, as a wait_complete session does."""
+    a session that stops on a demand, still reading its hit from L3 (best_effort: 64 blocks at
+    ~10 ms), ends on it with the prefix that landed -- SGLang's get then takes exactly those
+    pages, bit-exact, and no more.  A cost_aware session reads only what is cheaper than
+    prefill for SGLang (the fixed-hit rule: ``test_cost_aware_reports_its_plan_not_the_whole_l3_hit``),
+    and such reads (50 ms of prefill a block) are worth SGLang's next admission: it reads on
+    (False) and restores the whole hit, as a wait_complete session does."""
     pool = host_pool("layer_first")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
     block_bytes = layout_for_host_pool(pool, "tiny-llama", False).block_bytes
@@ -284,7 +300,7 @@ def test_a_request_that_can_prefill_now_stops_its_l3_read(sidecar_factory, insta
     b.eta_source = lambda rid, attempt: (30.0, prefill_s)  # far from its prefill: cost_aware plans the whole hit
     with b.bind("r-stop", 0):
         assert b.batch_exists(ks) == n
-    if policy == "cost_aware":  # (wait_complete reads the whole hit as one claim: asked while reading it)
+    if policy != "wait_complete":  # (wait_complete reads the whole hit as one claim: asked while reading it)
         with b.connection() as c:
             wait_until(lambda: c.poll("r-stop")["published"] >= 4, 10, "the first blocks to land")
     assert b.stop_for_prefill("r-stop", 0) is ends
@@ -296,7 +312,7 @@ def test_a_request_that_can_prefill_now_stops_its_l3_read(sidecar_factory, insta
     with b.connection() as c:
         final = c.wait("r-stop", attempt=0, terminal=True, timeout_s=10.0)
         if ends:
-            assert final["status"] == "cost" and 4 <= final["prefix"] == got < n, final
+            assert final["status"] == "demanded" and 4 <= final["prefix"] == got < n, final
         else:
             assert final["status"] == "complete" and got == n, final
     b.end("r-stop", 0, abort=False)
