@@ -168,9 +168,14 @@ def test_scrape_during_simulator_run_matches_its_totals():
         # every rank leases the same blocks (ranks agree) and copies its own shard of each
         assert value(final, "kvsidecar_engine_blocks_total") * T == 2 * a["restored_tokens"]
         assert value(final, "kvsidecar_engine_bytes_total") == a["restored_tokens"] // T * simulate.make_layout(2).block_bytes
+        # each session's hit (resident + L3, when its query answered) and each admission's lease
+        # are within what it asked for.  The hit is no bound on the lease: the ranks store every
+        # request's computed blocks after its prefill, and a later request's GET leases those too
+        # when they were published after its own query answered (seen once in CI: 16,768 tokens
+        # leased against a 12,416-token hit)
         hit = total(final, "kvsidecar_lookup_hit_tokens_total", source="prefetch")
-        assert a["restored_tokens"] <= hit <= value(final, "kvsidecar_lookup_requested_tokens_total",
-                                                    source="prefetch")
+        requested = value(final, "kvsidecar_lookup_requested_tokens_total", source="prefetch")
+        assert 0 < hit <= requested and a["restored_tokens"] <= requested
         # leases back to 0, nothing staged, nothing pinned
         assert total(final, "kvsidecar_leases") == 0
         assert value(final, "kvsidecar_reserved_bytes") == 0 and value(final, "kvsidecar_pinned_bytes") == 0
