@@ -198,8 +198,8 @@ class KVConnector:
 
     def _shard_offsets(self, blocks) -> array.array:
         L = self.layout
-        base = L.shard_of(self.rank) * L.shard_bytes
-        return array.array("q", (b * L.block_bytes + base for b in blocks))
+        base, bb = L.shard_of(self.rank) * L.shard_bytes, L.block_bytes
+        return array.array("q", (b * bb + base for b in blocks))
 
     def integrity_stats(self) -> dict:
         """{verified_blocks, corrupt_blocks, loads_refused} of this connector's loads."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import array
 import logging
 
-from kvsidecar._native.copy import copy_regions
+from kvsidecar._native.copy import copy_regions, piece_offsets
 from kvsidecar.shm.layout import KVLayout
 
 
@@ -82,18 +82,24 @@ class KVCopier:
                     raise KVShapeError(f"layer {layer}: dtype/contiguity does not match the layout")
 
     def _check_blocks(self, blocks) -> None:
-        for b in blocks:
-            if not 0 <= b < self.num_pool_blocks:
-                raise KVShapeError(f"block id {b} outside the pool")
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_pool_blocks):
+            bad = next(b for b in blocks if not 0 <= b < self.num_pool_blocks)
+            raise KVShapeError(f"block id {bad} outside the pool")
+
+    def _block_offsets(self, blocks, per: int = 1, piece_bytes: int = 0, base: int = 0) -> array.array:
+        """Pool offsets of ``per`` consecutive pieces of each block (checked ids), one C loop."""
+        try:
+            return piece_offsets(blocks, self.layout.block_bytes, base, per, piece_bytes, self.num_pool_blocks)
+        except IndexError as exc:
+            raise KVShapeError(str(exc)) from None
 
     def _offsets(self, blocks, pages, num_pages: int):
         L = self.layout
-        self._check_blocks(blocks)
+        block_off = self._block_offsets(blocks)
         for p in pages:
             if not 0 <= p < num_pages:
                 raise KVShapeError(f"page {p} outside the engine pool of {num_pages}")
-        bb, rb = L.block_bytes, L.region_bytes
-        block_off = array.array("q", (b * bb for b in blocks))
+        rb = L.region_bytes
         page_off = array.array("q", (p * rb for p in pages))
         return block_off, page_off
 
@@ -137,13 +143,10 @@ class KVCopier:
         per = len(host_ptrs) // n
         if piece_bytes <= 0 or per * piece_bytes != L.shard_bytes:
             raise KVShapeError(f"{per} pieces of {piece_bytes} B per block; a shard is {L.shard_bytes} B")
-        self._check_blocks(blocks)
-        if any(p <= 0 for p in host_ptrs):
-            raise KVShapeError("a host piece has no address")
-        base = self.shard * L.shard_bytes
-        bb = L.block_bytes
-        block_off = array.array("q", (b * bb + base + j * piece_bytes for b in blocks for j in range(per)))
         host = array.array("q", host_ptrs)
+        if min(host) <= 0:
+            raise KVShapeError("a host piece has no address")
+        block_off = self._block_offsets(blocks, per, piece_bytes, self.shard * L.shard_bytes)
         if to_host:
             self._paused(lambda: copy_regions(0, host, self.pool_address, block_off, piece_bytes))
         else:

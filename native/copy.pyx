@@ -7,8 +7,13 @@ in one C loop.  Addresses must lie inside live mappings / tensors the caller
 keeps alive for the duration of the call; sizes are checked by the caller.
 """
 
+from cpython cimport array
 from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy
+
+import array as _array
+
+cdef array.array _INT64 = _array.array("q")
 
 
 def copy_regions(uintptr_t dst_base, const int64_t[::1] dst_offsets,
@@ -26,6 +31,30 @@ def copy_regions(uintptr_t dst_base, const int64_t[::1] dst_offsets,
         for i in range(n):
             memcpy(d + dst_offsets[i], s + src_offsets[i], nbytes)
     return n
+
+
+def piece_offsets(blocks, int64_t stride, int64_t base, Py_ssize_t per, int64_t piece_bytes,
+                  int64_t num_blocks):
+    """``b * stride + base + j * piece_bytes`` for each block id ``b`` of ``blocks``, for each
+    ``j < per``, in that order: the offsets of ``copy_regions`` for ``per`` consecutive pieces of
+    each block, built in one C loop (a Python generator over blocks x pieces held the engine's GIL
+    ~0.5 ms for a 128-page SGLang backup).  Raises ``IndexError`` naming the first block id
+    outside ``[0, num_blocks)``; the result is an ``array('q')``."""
+    if per < 0 or piece_bytes < 0:
+        raise ValueError("negative piece count or size")
+    cdef Py_ssize_t n = len(blocks), i = 0, j
+    cdef array.array out = array.clone(_INT64, n * per, zero=False)
+    cdef long long *o = out.data.as_longlongs  # ("q" is a C long long)
+    cdef long long b, at
+    for obj in blocks:
+        b = obj
+        if b < 0 or b >= num_blocks:
+            raise IndexError(f"block id {b} outside the pool")
+        at = b * stride + base
+        for j in range(per):
+            o[i] = at + j * piece_bytes
+            i += 1
+    return out
 
 
 def copy_bytes(uintptr_t dst, uintptr_t src, Py_ssize_t nbytes):

@@ -124,6 +124,14 @@ def test_copier_pieces_round_trip_and_refuse_out_of_bounds():
                      (lambda: cp.read_shard(8), "outside the pool")]:
         with pytest.raises(KVShapeError, match=msg):
             bad()
+    # a refused copy copies nothing, not even the pieces of the blocks before the bad one
+    before = bytes(pool)
+    two = [ctypes.addressof(x) for x in bufs[:2 * pieces]]
+    with pytest.raises(KVShapeError, match="block id 8 outside the pool"):
+        cp.save_pieces([1, 8], two, piece)
+    with pytest.raises(KVShapeError, match="no address"):
+        cp.save_pieces([1, 2], two[:-1] + [0], piece)
+    assert bytes(pool) == before
     cp.close()
 
 

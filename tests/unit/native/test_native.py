@@ -135,6 +135,23 @@ def test_copy_regions(seg):
         ncopy.copy_regions(da, array.array("q", [0]), sa, so, 1)
 
 
+def test_piece_offsets_are_blocks_by_pieces_in_order_and_check_every_id():
+    got = ncopy.piece_offsets([3, 1, 0], 100, 5, 2, 10, 4)
+    assert isinstance(got, array.array) and got.typecode == "q"
+    assert list(got) == [305, 315, 105, 115, 5, 15]
+    assert list(ncopy.piece_offsets((7,), 1 << 40, 0, 1, 0, 8)) == [7 << 40]  # 64-bit offsets
+    assert list(ncopy.piece_offsets((), 100, 5, 2, 10, 4)) == []
+    assert list(ncopy.piece_offsets(array.array("I", [2]), 100, 0, 3, 1, 4)) == [200, 201, 202]
+    with pytest.raises(IndexError, match="block id 4 outside"):
+        ncopy.piece_offsets([3, 4], 100, 5, 2, 10, 4)
+    with pytest.raises(IndexError, match="block id -1 outside"):
+        ncopy.piece_offsets([-1], 100, 5, 2, 10, 4)
+    with pytest.raises(ValueError):
+        ncopy.piece_offsets([1], 100, 5, -1, 10, 4)
+    with pytest.raises(TypeError):
+        ncopy.piece_offsets(["1"], 100, 5, 1, 10, 4)
+
+
 def test_touch_pages_reads_one_byte_per_stride():
     import ctypes
 
