@@ -151,6 +151,19 @@ def test_piece_offsets_are_blocks_by_pieces_in_order_and_check_every_id():
     with pytest.raises(TypeError):
         ncopy.piece_offsets(["1"], 100, 5, 1, 10, 4)
 
+    class Lying(list):  # its length is not what it yields: no offset is left unwritten or overrun
+        def __init__(self, items, length):
+            super().__init__(items)
+            self.length = length
+
+        def __len__(self):
+            return self.length
+
+    with pytest.raises(ValueError, match="changed length"):
+        ncopy.piece_offsets(Lying([0, 1, 2], 2), 100, 0, 2, 10, 4)
+    with pytest.raises(ValueError, match="changed length"):
+        ncopy.piece_offsets(Lying([0], 3), 100, 0, 2, 10, 4)
+
 
 def test_touch_pages_reads_one_byte_per_stride():
     import ctypes
