@@ -44,8 +44,11 @@ from scripts.common import write_json
 
 log = logging.getLogger("sglang_ttft")
 
-ARMS = ("no_prefetch", "whole_task", "timeout", "cost_aware", "sglang_file")
-KVS_POLICY = {"whole_task": "wait_complete", "timeout": "timeout", "cost_aware": "cost_aware"}
+ARMS = ("no_prefetch", "whole_task", "timeout", "cost_aware", "cost_aware_twin", "sglang_file")
+# cost_aware_twin: cost_aware again, as a second arm of the same trials (--kvs-arms
+# cost_aware,cost_aware_twin): the A/A check of how far two identical arms drift apart; no verdict
+KVS_POLICY = {"whole_task": "wait_complete", "timeout": "timeout", "cost_aware": "cost_aware",
+              "cost_aware_twin": "cost_aware"}
 TIMEOUT_BUDGET = {"sessions.timeout_base_s": 0.2, "sessions.timeout_per_ki_token_s": 0.0,
                   "sessions.timeout_max_s": 0.2}
 
@@ -532,7 +535,8 @@ def main(argv=None) -> int:
                     help="L3 slower than recompute (a 16 KiB block: ~16 ms, against ~0.5 ms to recompute its 16 tokens)")
     ap.add_argument("--work", default=None, help="scratch folder (default: .cache/sglang_ttft)")
     ap.add_argument("--setups", default="no_prefetch,sglang_file,kvsidecar", help="which servers (diagnosis)")
-    ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware", help="kvsidecar arms, in order")
+    ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware",
+                    help="kvsidecar arms, in order (cost_aware_twin: cost_aware again, an A/A check of the noise)")
     ap.add_argument("--chunk-max-blocks", type=int, default=8,
                     help="kvsidecar's chunk (bounds a stop's regret: 8 blocks = 128 KiB, 130 ms at 8 Mbit/s)")
     ap.add_argument("--shared-server", action="store_true",
