@@ -81,11 +81,6 @@ class KVCopier:
                 if t.element_size() != L.itemsize or not t.is_contiguous():
                     raise KVShapeError(f"layer {layer}: dtype/contiguity does not match the layout")
 
-    def _check_blocks(self, blocks) -> None:
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_pool_blocks):
-            bad = next(b for b in blocks if not 0 <= b < self.num_pool_blocks)
-            raise KVShapeError(f"block id {bad} outside the pool")
-
     def _block_offsets(self, blocks, per: int = 1, piece_bytes: int = 0, base: int = 0) -> array.array:
         """Pool offsets of ``per`` consecutive pieces of each block (checked ids), one C loop."""
         try:
@@ -170,8 +165,7 @@ class KVCopier:
         self._paused(write)
 
     def _shard_at(self, block: int) -> int:
-        self._check_blocks((block,))
-        return block * self.layout.block_bytes + self.shard * self.layout.shard_bytes
+        return self._block_offsets((block,), base=self.shard * self.layout.shard_bytes)[0]
 
     def _pool_view(self) -> memoryview:
         if self._view is None:

@@ -137,12 +137,11 @@ def plan(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: fl
     cap = min(remaining, chunk_size(o, chunk_max))
     if cap <= 0:
         return 0
-    if o.unmeasured:
+    if o.unmeasured or not hides_behind_queue(o, hide_behind_queue):
         # The prior is a guess (measured: 40x off at 2 Mbit/s), and what is planned on it is
         # read in full, ahead of every later session.  So nothing is planned on it: one session
         # probes (``probe_blocks``: the lane was idle), the others restore nothing until it lands.
-        return min(cap, o.probe_blocks) if o.probe_blocks and not claimed_before else 0
-    if not hides_behind_queue(o, hide_behind_queue):
+        # Likewise a dearer restore an engine with a fixed hit would wait for in full.
         return min(cap, o.probe_blocks) if o.probe_blocks and not claimed_before else 0
     plans = {cap, remaining}
     if o.l3_s_per_block > 0:
