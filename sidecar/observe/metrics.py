@@ -352,9 +352,11 @@ METRICS: tuple[Metric, ...] = (
     # -- L3
     _c("kvsidecar_l3_errors", "L3 failures, by backend and code", lambda s, m: _l3_errors(s), ["backend", "code"],
        "l3"),
-    _c("kvsidecar_l3_put_blocks", "Write-behind blocks: published, failed, skipped (L3 behind)",
+    _c("kvsidecar_l3_put_blocks", "Write-behind blocks: published, failed, skipped (L3 behind); "
+       "present: published without a write, L3 held them already",
        lambda s, m: {"published": _loop(s, "l3_published_blocks"), "failed": _loop(s, "l3_put_failed_blocks"),
-                     "skipped": _loop(s, "l3_put_skipped_blocks")}, ["result"], "l3"),
+                     "skipped": _loop(s, "l3_put_skipped_blocks"), "present": _tier(s, "put_blocks_present")},
+       ["result"], "l3"),
     _g("kvsidecar_l3_read_seconds_per_block_estimate", "The cost model's running estimate of one block's L3 read "
        "(EWMA)", lambda s, m: _per_block(s), part="l3"),
     _g("kvsidecar_l3_read_bandwidth_bytes_per_second_estimate", "Block bytes over that estimate",

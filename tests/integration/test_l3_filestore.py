@@ -184,6 +184,31 @@ def test_restore_publishes_only_the_prefix_before_a_failure(sidecar_factory, ins
     assert s["pool"]["staging"] == 0 and s["pool"]["resident"] == 6
 
 
+def test_a_store_of_what_l3_holds_writes_nothing_and_reads_back_the_same(sidecar_factory, instance, tmp_path):
+    """An engine writes through a prefix it recomputed after the pool lost it (a flush): L3 holds
+    every block, so the write-behind writes none (no file is rewritten), reports them published
+    (``present``), and the restore still lands the same bytes."""
+    kv = [tuple(torch.randn(16, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]
+    tokens = list(range(4 * 12))
+    sidecar_factory(**overrides(tmp_path))
+    _, s = store_to_l3(instance, kv, tokens)
+    assert s["l3"]["put_blocks_ok"] == 12 and s["l3"].get("put_blocks_present", 0) == 0
+    files = {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns
+             for r, _, fs in os.walk(tmp_path / "l3") for f in fs if "_calibration_" not in f}
+    assert len(files) == 12
+    with KVConnector(instance, LAY) as c:
+        assert c.flush() == 12  # the pool forgets the prefix; L3 keeps it
+        kv2 = [tuple(t.clone() for t in layer) for layer in kv]
+        _, s = helpers.store_to_l3(c, kv2, tokens)
+        assert s["l3"]["put_blocks_present"] == 12 and s["l3"]["put_blocks_ok"] == 24
+        assert c.stats()["counters"]["l3_published_blocks"] == 24
+        assert c.flush() == 12
+    now = {p: os.stat(p).st_mtime_ns for p in files}
+    assert now == files  # not one file written again
+    r, n, out, s = restore_and_load(instance, tokens, 16)
+    assert r["restored"] == 12 and n == 12 and same(kv, out, 12)
+
+
 @pytest.mark.parametrize("mode,expect", [("first", 0), ("tail", 9)])
 def test_shaped_failures_through_the_sidecar(sidecar_factory, instance, tmp_path, mode, expect):
     kv = [tuple(torch.randn(16, 4, 2, 16).half() for _ in range(2)) for _ in range(2)]

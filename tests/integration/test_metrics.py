@@ -86,6 +86,7 @@ def test_series_follow_leases_sessions_errors_and_clients(sidecar_factory, insta
         assert value(m, "kvsidecar_engine_blocks_total") == N
         assert value(m, "kvsidecar_engine_bytes_total") == N * LAY.block_bytes
         assert value(m, "kvsidecar_l3_put_blocks_total", result="published") == N
+        assert value(m, "kvsidecar_l3_put_blocks_total", result="present") == 0  # L3 had none of them
         slot = c.client.slot
         assert ("kvsidecar_ring_depth_bytes", (("ring", "submit"), ("slot", str(slot)))) in m
         c.release(lease)

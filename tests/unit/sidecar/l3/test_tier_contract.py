@@ -292,3 +292,69 @@ def test_real_tier_estimate_rests_on_its_writes_until_a_read_is_measured(tmp_pat
         assert "write_samples" not in h.tier.snapshot().stats()["l3"]["cost"]  # reported only while it decides
     finally:
         h.close()
+
+
+class _CountingStore(FileStore):
+    """The file store, recording the keys of every write and optionally failing existence queries."""
+
+    def __init__(self, path, fail_exists: bool = False):
+        super().__init__(path)
+        self.written: list[str] = []
+        self.fail_exists = fail_exists
+
+    def exists(self, keys):
+        if self.fail_exists:
+            raise OSError("existence query refused")
+        return super().exists(keys)
+
+    def write(self, keys, addrs, size, tails=None, tail_size=0):
+        self.written.extend(keys)
+        return super().write(keys, addrs, size, tails, tail_size)
+
+
+@pytest.mark.parametrize("fail_exists", [False, True], ids=["query", "query-fails"])
+def test_real_tier_writes_only_the_blocks_l3_lacks(tmp_path, fail_exists):
+    """A store of a chain L3 partly holds writes only the missing blocks (keys name content); each
+    block still reports written, the present ones are counted, the bytes read back are the pool's,
+    and only what was written is a write sample.  A failed existence query writes every block."""
+    h = RealHarness(tmp_path, [])
+    store = _CountingStore(str(tmp_path / "l3c"), fail_exists=fail_exists)
+    h.tier.backend = store
+    try:
+        k = [key(f"p{i}") for i in range(6)]
+        for i, kk in enumerate(k):
+            h.pool[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES] = data_of(kk)
+        keys = h.tier.keys(NS, b"".join(k))
+        first = []  # blocks 0, 2 and 3 reach L3 first (a gap at 1: any subset, not only a prefix)
+        for ids in ([0], [2, 3]):
+            h.tier.store(NS, b"".join(k[i] for i in ids), pack_ids(ids), first.append)
+        h.settle(lambda: len(first) == 2)
+        assert first == [[True], [True, True]]
+        store.written.clear()
+        done = []
+        h.tier.store(NS, b"".join(k), pack_ids(list(range(6))), done.append)
+        h.settle(lambda: len(done) == 1)
+        assert done == [[True] * 6]
+        c = h.tier.counters
+        if fail_exists:
+            assert store.written == keys
+            assert c["put_exists_errors"] >= 1 and c["put_blocks_present"] == 0
+        else:
+            assert store.written == [keys[1], keys[4], keys[5]]
+            assert c["put_blocks_present"] == 3 and c["put_exists_errors"] == 0
+        assert c["put_blocks_ok"] == 3 + 6 and c["put_blocks_failed"] == 0
+        store.written.clear()
+        samples = h.tier.read_outlook(QUEUED).estimate.write_samples
+        again = []  # everything present now: nothing written, and no write sample of nothing
+        h.tier.store(NS, b"".join(k), pack_ids(list(range(6))), again.append)
+        h.settle(lambda: len(again) == 1)
+        assert again == [[True] * 6]
+        assert store.written == ([] if not fail_exists else keys)
+        assert h.tier.read_outlook(QUEUED).estimate.write_samples == samples + (1 if fail_exists else 0)
+        got = Answers()
+        h.tier.load(NS, b"".join(k), pack_ids(list(range(8, 14))), got, priority=QUEUED)
+        h.settle(lambda: len(got.calls) == 1)
+        assert got.values[0].ok == [True] * 6
+        assert all(h.landed(8 + i, kk) for i, kk in enumerate(k))
+    finally:
+        h.close()
