@@ -22,7 +22,9 @@ connection, or the default), ``_count`` and ``_chain``.
 
 from __future__ import annotations
 
-from kvsidecar.shm.errors import ErrorCode, RemoteError
+import contextlib
+
+from kvsidecar.shm.errors import ErrorCode, KvSidecarError, RemoteError
 
 from .session_registry import SessionRef
 
@@ -144,15 +146,17 @@ class RequestLifecycle:
         return self.start_at_entry_many([(rid, attempt, keys, eta_s, prefill_s_per_block)])[0]
 
     def start_at_entry_many(self, entries) -> list[bool]:
-        """``cost_aware`` at queue entry (SGLang's scheduler thread), for the requests one
-        scheduler iteration received: start each one's session now, over its ``keys`` -- the chain
-        SGLang's prefetch thread will query, whose ``batch_exists`` then joins this session -- and
-        say, per request, whether a storage operation for it can restore anything.  ``entries``:
-        ``(rid, attempt, keys, eta_s, prefill_s_per_block)`` tuples.
+        """``cost_aware`` at queue entry (SGLang's scheduler thread): start each request's session
+        now, over its ``keys`` -- the chain SGLang's prefetch thread will query, whose
+        ``batch_exists`` then joins this session -- and say, per request, whether a storage
+        operation for it can restore anything.  ``entries``: ``(rid, attempt, keys, eta_s,
+        prefill_s_per_block)`` tuples.
 
         One sidecar round for them all: every start is sent, then every answer read, on one
         connection (the ring keeps their order), so n requests cost one round trip and n
-        sidecar steps, not n round trips.
+        sidecar steps, not n round trips.  The plugin's gate runs the same halves apart
+        (:class:`EntryRound`: each start sent as its request enters the queue, the answers read
+        at the next drain).
 
         An answer is False only when the sidecar ended that session as it started with nothing to
         restore: no resident prefix, and not even the best case of an L3 read lowers TTFT
@@ -160,51 +164,157 @@ class RequestLifecycle:
         the plugin unregisters it).  True otherwise, and whenever the sidecar cannot answer (SGLang then runs its storage
         operation as it would without this).  The answers are this rank's: the plugin agrees on
         them across the TP group before acting on them (SGLang's storage drains are collective)."""
+        opened = [(i, ref, eta_s, per_block) for i, (rid, attempt, keys, eta_s, per_block) in enumerate(entries)
+                  for ref in [self.open_at_entry(rid, attempt, keys)] if ref is not None]
         answers = [True] * len(entries)
-        if not self.config.sessions.enabled or not self.use_l3:
-            return answers
-        s = self.config.sessions
-        opened = []  # (index, ref, eta_s, prefill_s_per_block): the sessions to start
-        for i, (rid, attempt, keys, eta_s, per_block) in enumerate(entries):
-            if not keys:
-                continue
-            ref = SessionRef(str(rid), int(attempt or 0), self._chain(keys), {k: j for j, k in enumerate(keys)})
-            if self.sessions.open(ref):  # else ended already: SGLang's own checks decide
-                opened.append((i, ref, eta_s, per_block))
         if not opened:
             return answers
 
         def round_trip(c):
-            sent = [self._start_session(c, ref, s.policy, len(ref.positions), eta_s, per_block, wait=False)
-                    for _i, ref, eta_s, per_block in opened]
-            views = []
-            try:
-                for rid in sent:
-                    reply = c.client.wait(rid)
-                    if not reply.get("ok"):  # that session only: SGLang runs its operation
-                        self._count("entry_errors")
-                        reply = None
-                    views.append(reply)
-            finally:
-                for rid in sent[len(views):]:  # (a failed wait: the rest are not read)
-                    c.client.discard(rid)
-            return views
+            return self.read_at_entry(c, [self.send_at_entry(c, ref, eta_s, per_block)
+                                          for _i, ref, eta_s, per_block in opened])
 
         views = self._call(round_trip, None) or [None] * len(opened)
         for (i, ref, _eta, _pb), view in zip(opened, views):
-            if view is None:
-                self.sessions.discard(ref)
-                continue
-            self._count_start(view)
-            self._count("entry_sessions")
-            if view.get("state") == "terminal":
-                if not view.get("prefix"):
-                    self._count("entry_nothing_to_restore")
-                    answers[i] = False
-                else:
-                    ref.terminal_prefix = int(view["prefix"])  # final: the query answers it as it is
+            answers[i] = self.settle_at_entry(ref, view)
         return answers
+
+    # -- the halves of an entry start (sent, then read, on one connection) ------------------------
+    def entry_round(self) -> EntryRound:
+        """A round of entry starts sent apart from their reading (:class:`EntryRound`)."""
+        return EntryRound(self)
+
+    def open_at_entry(self, rid: str, attempt: int, keys) -> SessionRef | None:
+        """The session ref a queue entry starts, registered; None when there is nothing to start
+        (sessions off, no L3, no keys, or the request's session ended already: SGLang's own
+        checks decide it)."""
+        if not keys or not self.config.sessions.enabled or not self.use_l3:
+            return None
+        ref = SessionRef(str(rid), int(attempt or 0), self._chain(keys), {k: j for j, k in enumerate(keys)})
+        return ref if self.sessions.open(ref) else None
+
+    def send_at_entry(self, c, ref: SessionRef, eta_s, prefill_s_per_block) -> int:
+        """Send ``ref``'s start on connection ``c`` (not waited for); its request id on ``c``."""
+        return self._start_session(c, ref, self.config.sessions.policy, len(ref.positions), eta_s,
+                                   prefill_s_per_block, wait=False)
+
+    def read_at_entry(self, c, sent: list) -> list:
+        """The views of the starts ``sent`` on ``c`` (request ids, in order; None for one that was
+        not sent), each None when its start was refused.  A failed wait raises; the starts not
+        read are discarded first (nobody will read them)."""
+        views = []
+        try:
+            for rid in sent:
+                reply = c.client.wait(rid) if rid is not None else None
+                if reply is not None and not reply.get("ok"):  # that session only: SGLang runs its operation
+                    self._count("entry_errors")
+                    reply = None
+                views.append(reply)
+        finally:
+            for rid in sent[len(views):]:
+                if rid is not None:
+                    c.client.discard(rid)
+        return views
+
+    def settle_at_entry(self, ref: SessionRef, view: dict | None) -> bool:
+        """The answer for ``ref`` given its start's ``view`` (None: no answer, the ref is dropped):
+        False only for a session that ended as it started with nothing to restore."""
+        if view is None:
+            self.sessions.discard(ref)
+            return True
+        self._count_start(view)
+        self._count("entry_sessions")
+        if view.get("state") == "terminal":
+            if not view.get("prefix"):
+                self._count("entry_nothing_to_restore")
+                return False
+            ref.terminal_prefix = int(view["prefix"])  # final: the query answers it as it is
+        return True
 
     def flush_aborts(self, timeout_s: float) -> bool:
         """Wait (bounded) until every abort :meth:`end` handed off has reached the sidecar."""
         return self._aborts.flush(timeout_s)
+
+
+class EntryRound:
+    """Entry starts sent as each request enters the queue and read at the next drain (the SGLang
+    plugin's gate, :mod:`kvsidecar.connector.sglang_entry`, on the scheduler thread).
+
+    Why: one blocking round at the drain's start held the scheduler thread, and every request
+    queued behind it, ~0.8 ms per drain with entries (median; TP=2 CPU server, 8 Mbit/s).  Sent
+    at queue entry, the sidecar decides while SGLang finishes its iteration, and the drain reads
+    answers that are there, or waits only for the rest of the round.
+
+    Invariants:
+
+    * One connection of the rank's pool is held from the round's first send until
+      :meth:`answers` (both on the scheduler thread: queue entry and the drain's start).  The
+      thread's other calls in between re-enter that connection (the pool's checkout is
+      re-entrant for its holder), and its client keeps each reply under its own request id, so
+      no call reads another's answer.
+    * :meth:`answers` reads or discards every start sent and always checks the connection back
+      in.  A send or read the sidecar cannot serve answers "run" (True) for its entries and marks
+      the connection failed (re-attached by a later checkout), as a call through the pool would.
+    * A withdrawn entry (its request was deferred again, or left) is read but not settled: its
+      answer is nobody's, and a newer start of the same request joined the same session.
+    """
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._hold: contextlib.ExitStack | None = None  # the checkout, held until answers()
+        self._conn = None
+        self._sent: list = []  # [ref | None, request id on the connection | None, withdrawn]
+
+    def send(self, rid: str, attempt: int, keys, eta_s, prefill_s_per_block) -> int:
+        """Start one request's session now (not waited for); its slot in :meth:`answers`."""
+        ref = self.backend.open_at_entry(rid, attempt, keys)
+        sent = None
+        if ref is not None:
+            c = self._connection()
+            if c is not None:
+                try:
+                    sent = self.backend.send_at_entry(c, ref, eta_s, prefill_s_per_block)
+                except KvSidecarError as exc:
+                    self._failed(exc)
+        self._sent.append([ref, sent, False])
+        return len(self._sent) - 1
+
+    def withdraw(self, slot: int) -> None:
+        self._sent[slot][2] = True
+
+    @property
+    def pending(self) -> int:
+        return len(self._sent)
+
+    def answers(self) -> list[bool]:
+        """One answer per slot, in send order (True for a withdrawn one); the round starts over."""
+        sent, self._sent = self._sent, []
+        views = [None] * len(sent)
+        try:
+            if self._conn is not None and any(rid is not None for _ref, rid, _w in sent):
+                try:
+                    views = self.backend.read_at_entry(self._conn, [rid for _ref, rid, _w in sent])
+                except KvSidecarError as exc:
+                    self._failed(exc)
+        finally:
+            hold, self._hold, self._conn = self._hold, None, None
+            if hold is not None:
+                hold.close()
+        return [True if ref is None or withdrawn else self.backend.settle_at_entry(ref, view)
+                for (ref, _rid, withdrawn), view in zip(sent, views)]
+
+    def _connection(self):
+        if self._hold is None:
+            self._hold = contextlib.ExitStack()
+            conns = self.backend.conns
+            if conns is not None and self.backend.mem_pool_host is not None:
+                self._conn = self._hold.enter_context(conns.checkout())
+            if self._conn is None:
+                self.backend._count("degraded_calls")
+        return self._conn
+
+    def _failed(self, exc: KvSidecarError) -> None:
+        self.backend._count("entry_errors")
+        conns = self.backend.conns
+        if conns is not None and self._conn is not None:
+            conns.policy.failed(self._conn, exc)

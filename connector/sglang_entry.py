@@ -10,17 +10,18 @@ nothing, and the request paid that cost for nothing: the first request of every 
 was the slow tail (p90) of the 8 Mbit/s row.
 
 So at queue entry (``prefetch_from_storage``, SGLang's scheduler thread, just before the request
-joins ``waiting_queue``) the plugin defers SGLang's call.  At the start of the next drain
-(``check_hicache_events``, the first thing the scheduler's next batch selection does, before any
-admission) each rank asks for every request deferred since the last one in one sidecar round
-(:meth:`EntryGate.ask`, ``start_at_entry_many``: the same chains and parameters as the queries
-SGLang's prefetch thread sends later, which join them); the sidecar's session machine decides as
-each starts (``CREATED -> TERMINAL`` when neither the resident prefix nor an L3 read can pay,
+joins ``waiting_queue``) the plugin defers SGLang's call and sends the request's session start
+(:class:`~kvsidecar.connector.hicache_requests.EntryRound`: the same chain and parameters as the
+query SGLang's prefetch thread sends later, which joins it), not waiting for the answer.  At the
+start of the next drain (``check_hicache_events``, the first thing the scheduler's next batch
+selection does, before any admission) each rank reads the answers of every start sent since the
+last one (:meth:`EntryGate.ask`); the sidecar's session machine decided as each started (``CREATED -> TERMINAL`` when neither the resident prefix nor an L3 read can pay,
 :func:`kvsidecar.sidecar.prefetch.cost.worth_querying`).  The group agrees without a collective of
 its own: the answers ride the drain's first TP collective (:meth:`EntryGate.ride`: SGLang's
 ready-count sync, a MIN every iteration), and after the drain :meth:`EntryGate.decide` makes the
 deferred calls the group keeps.  Why: the gate holds the scheduler thread, and every request in
-the queue with it; one ask and one MAX per request cost 1.7-2.6 ms each (TP=2 CPU server, 8 Mbit/s).
+the queue with it; one ask and one MAX per request cost 1.7-2.6 ms each (TP=2 CPU server, 8 Mbit/s),
+and one blocking round at the drain's start still ~0.8 ms per drain.
 
 Invariants:
 
@@ -40,11 +41,13 @@ Invariants:
   allocate host memory (backups, storage hits) and so evict: the plugin holds the request's
   anchor node (a host lock, taken at entry) until SGLang's own call has taken its lock, or until
   the request is skipped or dropped, so what the entry matched is still there.  A request aborted
-  before its decision is dropped (:meth:`EntryGate.drop`): nothing was started for it.
+  before its decision is dropped (:meth:`EntryGate.drop`): its call is never made.
 * **Nothing that could be restored is skipped**: the answer is "skip" only for a session that
   ended as it started with no prefix (:meth:`KvSidecarHiCacheStorage.start_at_entry_many`).
 * **The gate never raises into SGLang** between the collective calls: the local answers are
   computed under ``try`` (an error means "run it"), and the reduction is always reached.
+* A request that leaves before its decision (:meth:`EntryGate.drop`) has its session, started at
+  entry, ended at the next drain, once its start's answer is read (the end cannot overtake it).
 * A session started here whose request SGLang then gives no operation (its own declines) and no
   retry is ended at once; a skipped request's session ended itself (terminal, nothing held).
 """
@@ -68,16 +71,16 @@ def gate_applies(n_new_tokens: int, page_size: int, threshold: int, storage_hit_
 
 
 class Deferred:
-    """One request's deferred ``prefetch_from_storage``: its keys (None when they could not be
-    built: the operation then runs), ``run()``, SGLang's call with the entry's arguments (it lets
-    the entry's hold on the anchor go once SGLang's call took its own), and ``release()``, that
-    hold's end for a request that gets no call (skipped, or aborted before its decision)."""
+    """One request's deferred ``prefetch_from_storage``: its slot in the rank's
+    :class:`~kvsidecar.connector.hicache_requests.EntryRound` (its session's start, sent at
+    entry), ``run()``, SGLang's call with the entry's arguments (it lets the entry's hold on the
+    anchor go once SGLang's call took its own), and ``release()``, that hold's end for a request
+    that gets no call (skipped, or aborted before its decision)."""
 
-    __slots__ = ("request", "keys", "eta_s", "prefill_s_per_block", "run", "release", "t_entry")
+    __slots__ = ("request", "slot", "run", "release", "t_entry")
 
-    def __init__(self, request, keys, eta_s, prefill_s_per_block, run, release, t_entry):
-        self.request, self.keys, self.eta_s = request, keys, eta_s
-        self.prefill_s_per_block, self.run, self.release, self.t_entry = prefill_s_per_block, run, release, t_entry
+    def __init__(self, request, slot, run, release, t_entry):
+        self.request, self.slot, self.run, self.release, self.t_entry = request, slot, run, release, t_entry
 
 
 class _Asked:
@@ -95,7 +98,9 @@ class EntryGate:
 
     def __init__(self, backend):
         self.backend = backend
+        self._round = backend.entry_round()  # the starts sent since the last drain
         self._pending: dict = {}  # request handle -> Deferred, in SGLang's call order (SPMD)
+        self._dropped: list = []  # requests that left after their start was sent: ended at the drain
         self._asked: _Asked | None = None  # asked at this drain's start, decided at its end
         self.drains = 0  # drains that decided something
 
@@ -121,8 +126,8 @@ class EntryGate:
 
     def defer(self, cache, request, new_input_tokens, last_hash, extra_key, cache_salt,
               eta_s, prefill_s_per_block, run, release=lambda: None) -> None:
-        """Hold the request's storage operation (``run()``) until the next drain decides it
-        (:meth:`ask`, then :meth:`decide`)."""
+        """Hold the request's storage operation (``run()``) until the next drain decides it, and
+        start its session now (sent, not waited for: :meth:`ask` reads the answer)."""
         self._count("asked")
         t0 = time.perf_counter()
         try:
@@ -131,46 +136,62 @@ class EntryGate:
             self._count("errors")
             log.exception("kvsidecar entry gate: no keys; SGLang runs the storage operation")
             keys = None
-        if self.backend.trace is not None:
-            self.backend.trace(request.rid, "entry_keys", t0, time.perf_counter())
         old = self._pending.pop(request, None)
         if old is not None:  # (deferred again before its decision: the newer call stands)
             old.release()
-        self._pending[request] = Deferred(request, keys, eta_s, prefill_s_per_block, run, release, t0)
+            self._round.withdraw(old.slot)
+        try:
+            slot = self._round.send(request.rid, request.attempt_id, keys, eta_s, prefill_s_per_block)
+        except Exception:  # a bug here must not stop SGLang: the operation runs (slot None: "run")
+            self._count("errors")
+            log.exception("kvsidecar entry gate: the start was not sent; SGLang runs the storage operation")
+            slot = None
+        if self.backend.trace is not None:
+            self.backend.trace(request.rid, "entry_keys", t0, time.perf_counter())
+        self._pending[request] = Deferred(request, slot, run, release, t0)
 
     def drop(self, request) -> bool:
-        """The request left before its decision (aborted in the queue): forget its deferred call."""
+        """The request left before its decision (aborted in the queue): forget its deferred call;
+        its session, started at entry, is ended once the drain has read its start's answer."""
         e = self._pending.pop(request, None)
         if e is None:
             return False
         e.release()
+        if e.slot is not None:
+            self._round.withdraw(e.slot)
+            self._dropped.append(request)
         self._count("dropped")
         return True
 
     def local_answers(self, entries: list) -> list:
         """This rank's answers, one per entry: True (run SGLang's operation) unless the sidecar
-        says nothing can be restored; True on any error."""
-        asked = [e for e in entries if e.keys]
+        says nothing can be restored; True on any error.  Reads the round's answers (every start
+        sent since the last drain, withdrawn ones included) and ends the sessions of requests
+        that left meanwhile."""
         try:
-            got = self.backend.start_at_entry_many(
-                [(e.request.rid, e.request.attempt_id, e.keys, e.eta_s, e.prefill_s_per_block) for e in asked])
+            got = self._round.answers() if self._round.pending else []
         except Exception:  # a bug here must not stop SGLang (nor split the group)
             self._count("errors")
             log.exception("kvsidecar entry gate failed; SGLang runs the storage operations")
-            return [True] * len(entries)
-        by_entry = {id(e): bool(a) for e, a in zip(asked, got)}
-        return [by_entry.get(id(e), True) for e in entries]
+            got = []
+        dropped, self._dropped = self._dropped, []
+        for request in dropped:
+            self.backend.end(request.rid, request.attempt_id)
+        return [got[e.slot] if e.slot is not None and e.slot < len(got) else True for e in entries]
 
     def ask(self) -> None:
-        """Start the sessions of every deferred request (every rank, at the start of the drain,
-        same order): one sidecar round.  Their agreement rides the drain's own collective
-        (:meth:`ride`), and :meth:`decide` acts on it."""
-        if not self._pending or self._asked is not None:
+        """Read the answers for every deferred request (every rank, at the start of the drain,
+        same order): the starts went out at queue entry, so this waits at most for the rest of
+        their round.  Their agreement rides the drain's own collective (:meth:`ride`), and
+        :meth:`decide` acts on it."""
+        if self._asked is not None or not (self._pending or self._dropped):
             return
         entries = list(self._pending.values())
         self._pending.clear()
         t0 = time.perf_counter()
-        self._asked = _Asked(entries, self.local_answers(entries), t0, time.perf_counter())
+        mine = self.local_answers(entries)
+        if entries:
+            self._asked = _Asked(entries, mine, t0, time.perf_counter())
 
     def ride(self, op):
         """The flags the asked requests' agreement adds to a collective with ``op`` (this rank's

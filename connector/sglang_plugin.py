@@ -273,7 +273,7 @@ def radix_cache_class():
 
         def release_aborted_request(self, request) -> None:
             if self._kvs_entry is not None:
-                self._kvs_entry.drop(request)  # aborted before its entry decision: nothing was started
+                self._kvs_entry.drop(request)  # aborted before its entry decision: its call is never made
             live = self._kvs is not None and request in self.ongoing_prefetch
             super().release_aborted_request(request)
             if live:

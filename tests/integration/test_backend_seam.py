@@ -472,6 +472,60 @@ def test_entry_decisions_of_one_iteration_take_one_round(sidecar_factory, instan
     b.close()
 
 
+def test_entry_round_sends_at_queue_entry_and_reads_at_the_drain(sidecar_factory, instance, tmp_path):
+    """``EntryRound`` (the SGLang gate's starts): each start is sent as its request enters the
+    queue and read at the drain.  In between, the scheduler thread's other calls re-enter the
+    held connection (a backup here) and another thread's call gets a connection of its own; the
+    answers are what one blocking round says; a withdrawn slot answers True and is not settled;
+    the connection goes back to the pool at the drain.  After the sidecar died between the sends
+    and the drain, every answer is True (SGLang runs its operation), nothing raises, no ref stays
+    registered, the connection is back, and the next call re-attaches to a new sidecar."""
+    pool, started = HostPool(seed=11), []
+
+    def factory(**o):
+        started.append(sidecar_factory(**o))
+        return started[-1]
+
+    b, cold, hot = cold_in_l3_hot_in_pool(factory, instance, tmp_path, pool, "3")
+    r = b.entry_round()
+    slots = [r.send("e-cold", 0, cold, 0.0, 1e-4), r.send("e-hot", 0, hot, 0.0, 1e-4)]
+    assert b.conns.in_use() == 1  # held by this (the scheduler) thread until the drain
+    assert b.batch_set_v1(keys("more3"), indices(range(2 * CHAIN, 3 * CHAIN))) == [True] * CHAIN  # re-entrant
+    other = []
+    t = threading.Thread(target=lambda: other.append(b.batch_set_v1(keys("thr3"), indices(range(CHAIN)))))
+    t.start()
+    t.join(10.0)
+    assert other == [[True] * CHAIN] and b.conns.in_use() == 1  # another thread: a connection of its own
+    slots.append(r.send("e-gone", 0, hot, 0.0, 1e-4))
+    slots.append(r.send("e-none", 0, [], 0.0, 1e-4))  # no keys: nothing to start
+    r.withdraw(slots[2])
+    assert slots == [0, 1, 2, 3] and r.pending == 4
+    assert r.answers() == [False, True, True, True] and r.pending == 0
+    assert b.conns.in_use() == 0
+    st = b.stats()
+    assert st["entry_sessions"] == 2 and st["entry_nothing_to_restore"] == 1 and st.get("entry_errors", 0) == 0, st
+    for rid in ("e-cold", "e-hot", "e-gone"):
+        b.end(rid)
+    assert b.flush_aborts(10.0)
+    with b.connection() as c:
+        assert c.poll("e-cold")["status"] == "cost" and c.poll("e-hot")["prefix"] == CHAIN
+        s = wait_until(lambda: c.stats(check=True), 10.0, "leases or pins left",
+                       until=lambda s: s["leases"]["live"] == 0 and s["pool"]["pinned"] == 0)
+        assert s["invariants"] == "" and s["sessions"]["orphans"] == 0, s
+    assert b.sessions.sizes()["open"] == 0
+
+    r.send("d-cold", 0, cold, 0.0, 1e-4)
+    r.send("d-hot", 0, hot, 0.0, 1e-4)
+    started[0].kill()  # the sidecar dies with two answers owed
+    assert r.answers() == [True, True]
+    assert b.conns.in_use() == 0 and b.sessions.sizes()["open"] == 0
+    assert b.stats()["entry_errors"] >= 1
+    sidecar_factory(**overrides(pool, tmp_path, **{"l3.bandwidth_mbps": 0.2, "l3.latency_ms": 2.0}))
+    assert wait_until(lambda: b.batch_set_v1(keys("after3"), indices(range(CHAIN))), 10.0,
+                      "the backend re-attached", until=lambda got: got == [True] * CHAIN)
+    b.close()
+
+
 def test_entry_decision_without_a_sidecar_runs_sglangs_operation(instance):
     b = backend(instance, HostPool(), sessions={"policy": "cost_aware"}, timeout_s=0.2)
     assert b.start_at_entry("r", 0, keys("x"), eta_s=0.0, prefill_s_per_block=1e-4) is True

@@ -27,23 +27,49 @@ def test_gate_applies_exactly_where_sglang_would_query(n, page, threshold, hit_e
 
 
 class _Backend:
-    """Answers per rid (a dict), or raises; records what it was asked and what was ended."""
+    """Answers per rid (a dict), or raises when its round is read; records what was sent (at
+    entry), what each drain read, and what was ended."""
 
     def __init__(self, answer):
-        self.answer, self.ended, self.counts, self.asked = answer, [], {}, []
+        self.answer, self.ended, self.counts, self.sent, self.asked = answer, [], {}, [], []
         self.trace = None
 
     def _count(self, name):
         self.counts[name] = self.counts.get(name, 0) + 1
 
-    def start_at_entry_many(self, entries):
-        self.asked.append([e[0] for e in entries])
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        return [self.answer[e[0]] for e in entries]
+    def entry_round(self):
+        return _Round(self)
 
     def end(self, rid, attempt=0):
         self.ended.append((rid, attempt))
+
+
+class _Round:
+    """``EntryRound``'s contract over :class:`_Backend`: a slot per send (no start for no keys),
+    every start read at ``answers()``, a withdrawn slot's answer True."""
+
+    def __init__(self, backend):
+        self.b, self.slots, self.withdrawn = backend, [], set()
+
+    def send(self, rid, attempt, keys, eta_s, per_block):
+        if keys:
+            self.b.sent.append(rid)
+        self.slots.append(rid if keys else None)
+        return len(self.slots) - 1
+
+    def withdraw(self, slot):
+        self.withdrawn.add(slot)
+
+    @property
+    def pending(self):
+        return len(self.slots)
+
+    def answers(self):
+        slots, withdrawn, self.slots, self.withdrawn = self.slots, self.withdrawn, [], set()
+        self.b.asked.append([rid for rid in slots if rid is not None])
+        if isinstance(self.b.answer, Exception):
+            raise self.b.answer
+        return [True if rid is None or i in withdrawn else self.b.answer[rid] for i, rid in enumerate(slots)]
 
 
 class _Cache:
@@ -103,7 +129,8 @@ def test_the_requests_of_one_iteration_are_decided_in_one_round_riding_sglangs_c
     g, ran, released = _gate({"a": False, "b": True, "c": False}), [], []
     cache = _Cache(others=[0, 0, 0])
     _defer(g, cache, ["a", "b", "c"], ran, released)
-    assert ran == [] and g.backend.asked == [] and g.pending == 3  # nothing before the drain
+    assert g.backend.sent == ["a", "b", "c"]  # each start goes out at its queue entry ...
+    assert ran == [] and g.backend.asked == [] and g.pending == 3  # ... and is read at the drain
     _drain(g, cache, others_skip=[1, 1, 1])
     assert g.backend.asked == [["a", "b", "c"]] and cache.collectives == [("sglang-min", [1, 0, 1])]
     assert ran == ["b"] and g.backend.ended == [("a", 2), ("c", 2)] and g.pending == 0
@@ -153,6 +180,7 @@ def test_a_failing_round_runs_every_operation():
     _defer(g, cache, ["a", "b"], ran)
     _drain(g, cache)
     assert ran == ["a", "b"] and g.backend.ended == [] and g.backend.counts["entry_errors"] == 1
+    assert g.backend.asked == [["a", "b"]]
 
 
 def test_a_request_without_keys_runs_its_operation_and_is_not_asked_about():
@@ -171,13 +199,23 @@ def test_a_request_without_keys_runs_its_operation_and_is_not_asked_about():
     assert g.backend.counts["entry_errors"] == 1
 
 
-def test_a_request_aborted_before_its_decision_is_dropped_unasked():
+def test_a_request_aborted_before_its_decision_is_never_run_and_its_session_is_ended_at_the_drain():
     g, ran, released, cache = _gate({"a": True, "b": True}), [], [], _Cache()
     a, _b = _defer(g, cache, ["a", "b"], ran, released)
     assert g.drop(a) is True and g.drop(a) is False and released == ["a"]
+    assert g.backend.ended == []  # not before its start's answer is read (the end must not overtake it)
     _drain(g, cache)
-    assert g.backend.asked == [["b"]] and ran == ["b"] and g.backend.counts["entry_dropped"] == 1
-    assert released == ["a"]
+    assert g.backend.asked == [["a", "b"]] and ran == ["b"] and g.backend.counts["entry_dropped"] == 1
+    assert released == ["a"] and g.backend.ended == [("a", 2)]
+
+
+def test_a_drop_alone_still_ends_its_session_at_the_next_drain():
+    g, ran, cache = _gate({"a": False}), [], _Cache(others=[0])
+    (a,) = _defer(g, cache, ["a"], ran)
+    g.drop(a)
+    _drain(g, cache)
+    assert g.backend.asked == [["a"]] and g.backend.ended == [("a", 2)] and ran == []
+    assert cache.collectives == []  # nothing left to decide: no flags ride, no collective of its own
 
 
 def test_the_same_request_deferred_twice_is_decided_once():
@@ -187,6 +225,7 @@ def test_the_same_request_deferred_twice_is_decided_once():
     g.defer(cache, h, [1] * 32, None, None, None, 0.0, 1e-3, lambda: ran.append("h2"), lambda: released.append("h2"))
     _drain(g, cache)
     assert ran == ["h2"] and released == ["h1"]  # the first call's hold ended when it was replaced
+    assert g.backend.sent == ["a", "a"] and g.backend.ended == []  # (the second start joins the first)
 
 
 def test_after_sglangs_own_decline_the_entry_session_is_ended_unless_a_retry_is_armed():
