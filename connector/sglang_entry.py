@@ -15,7 +15,8 @@ joins ``waiting_queue``) the plugin defers SGLang's call and sends the request's
 query SGLang's prefetch thread sends later, which joins it), not waiting for the answer.  At the
 start of the next drain (``check_hicache_events``, the first thing the scheduler's next batch
 selection does, before any admission) each rank reads the answers of every start sent since the
-last one (:meth:`EntryGate.ask`); the sidecar's session machine decided as each started (``CREATED -> TERMINAL`` when neither the resident prefix nor an L3 read can pay,
+last one (:meth:`EntryGate.ask`); the sidecar's session machine decided as each started
+(``CREATED -> TERMINAL`` when neither the resident prefix nor an L3 read can pay,
 :func:`kvsidecar.sidecar.prefetch.cost.worth_querying`).  The group agrees without a collective of
 its own: the answers ride the drain's first TP collective (:meth:`EntryGate.ride`: SGLang's
 ready-count sync, a MIN every iteration), and after the drain :meth:`EntryGate.decide` makes the
@@ -147,7 +148,7 @@ class EntryGate:
             log.exception("kvsidecar entry gate: the start was not sent; SGLang runs the storage operation")
             slot = None
         if self.backend.trace is not None:
-            self.backend.trace(request.rid, "entry_keys", t0, time.perf_counter())
+            self.backend.trace(request.rid, "entry_start", t0, time.perf_counter())  # keys, and the start sent
         self._pending[request] = Deferred(request, slot, run, release, t0)
 
     def drop(self, request) -> bool:
