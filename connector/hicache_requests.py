@@ -268,16 +268,16 @@ class EntryRound:
     def send(self, rid: str, attempt: int, keys, eta_s, prefill_s_per_block) -> int:
         """Start one request's session now (not waited for); its slot in :meth:`answers`."""
         ref = self.backend.open_at_entry(rid, attempt, keys)
-        sent = None
+        self._sent.append([ref, None, False])  # (first: whatever the send raises, answers() releases the hold)
+        slot = len(self._sent) - 1
         if ref is not None:
             c = self._connection()
             if c is not None:
                 try:
-                    sent = self.backend.send_at_entry(c, ref, eta_s, prefill_s_per_block)
+                    self._sent[slot][1] = self.backend.send_at_entry(c, ref, eta_s, prefill_s_per_block)
                 except KvSidecarError as exc:
                     self._failed(exc)
-        self._sent.append([ref, sent, False])
-        return len(self._sent) - 1
+        return slot
 
     def withdraw(self, slot: int) -> None:
         self._sent[slot][2] = True
