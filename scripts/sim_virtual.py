@@ -13,7 +13,9 @@ written into it; every GET is checked against the chain, so a block handed out b
 The scheduler is SPMD like a real engine: one decision per step, replayed to every rank
 (each rank sends the same ``poll`` / ``get`` with the same ``step``; the sidecar's group
 decisions must give identical answers — ``ranks_agree``).  A request enters the queue (and
-prefetches) ``enter_s`` after it arrives and is scanned in that iteration; when the engine is
+prefetches) ``enter_s`` after it arrives — after the loop's thread is free: an admission's
+scan, GET and copy, and a finished prefill's completion (``publish_s``: every rank's store) hold
+it — and is scanned in that iteration; when the engine is
 free it scans the queue in order, *skipping* a request whose prefetch is still running (SGLang
 continues to the next request), and admits the first ready one.  A prefill's end is followed
 by a scan ``turnaround_s`` later; with nothing ready the engine waits for a queued session to
@@ -238,6 +240,9 @@ class Engine:
         self.stream = [_Req(a, rid, ch, len(ch) // KEY) for a, rid, ch in stream]
         self.queue: list[_Req] = []
         self.busy_until = 0.0
+        # the engine loop's own thread is taken (an admission's scan, GET and copy; a finished
+        # prefill's completion and store) until then: an arrival meanwhile enters after it
+        self.loop_free_at = 0.0
         self.step = 0
         self.step_armed = False
         self.results: list = []
@@ -271,6 +276,10 @@ class Engine:
         return max(0.0, self.busy_until - now) + ahead
 
     # -- events ----------------------------------------------------------------------------------------
+    def _arrival(self, r: _Req) -> None:
+        """``r`` arrived: the loop takes it up once its thread is free, ``enter_s`` later."""
+        self.loop.call_at(max(self.loop.t, self.loop_free_at) + self.cost("enter_s"), self.arrive, r)
+
     def arrive(self, r: _Req) -> None:
         self.queue.append(r)
         if self.kw is not None:
@@ -359,9 +368,10 @@ class Engine:
         # restored from L3 by this request's own session; the rest of the GET was in the pool
         # (resident at queue entry, stored by an earlier prefill, or read by another session)
         restored_l3 = min(n, rec.restored) if rec is not None else 0
-        prefill = (self.cost("scan_s") + self.cost("admit_s") + n * self.p.copy_s_per_block
-                   + (r.blocks - n) * self.p.compute_s_per_block + self.cost("skew_s"))
+        in_loop = self.cost("scan_s") + self.cost("admit_s") + n * self.p.copy_s_per_block
+        prefill = in_loop + (r.blocks - n) * self.p.compute_s_per_block + self.cost("skew_s")
         self.busy_until = now + prefill
+        self.loop_free_at = max(self.loop_free_at, now + in_loop)
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
                 "hit_l3": restored_l3, "recomputed": r.blocks - n, "queue_s": now - r.arrival,
                 "prefill_s": prefill, "ttft_s": now + prefill - r.arrival}
@@ -376,6 +386,7 @@ class Engine:
 
     def _done(self, r: _Req, lease: int) -> None:
         publish = self.cost("publish_s")
+        self.loop_free_at = max(self.loop_free_at, self.loop.t + publish)  # every rank completes it first
         if lease:
             self._spmd(self.core.op_release, {"lease": lease})
         st = self._spmd(self.core.op_store, {"chain": r.chain, "req": r.rid, "step": self.step})
@@ -397,7 +408,7 @@ class Engine:
     # -- the run -----------------------------------------------------------------------------------------
     def run(self) -> dict:
         for r in self.stream:
-            self.loop.call_at(r.arrival + self.cost("enter_s"), self.arrive, r)
+            self.loop.call_at(r.arrival, self._arrival, r)
         while self.loop.next_timer():
             # idle with work queued: the next iteration runs once a queued session has ended
             # (the engine waits for it: iterations in between would skip the same way)

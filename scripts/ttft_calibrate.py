@@ -119,17 +119,20 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
     return {k: own or other for k, (own, other) in samples.items()}
 
 
-JITTERED = ("query_s", "create_s", "pickup_s", "wake_s")
+JITTERED = ("query_s", "create_s", "pickup_s", "wake_s", "skew_s")
 
 
 def cost_samples(run: dict, arm: str | None = None, arrivals: dict | None = None, names=JITTERED) -> tuple:
     """``SimParams.cost_samples``: the measured samples of the fixed costs ``names`` under their
     SimParams names (``turnaround_s`` and ``wake_s`` less the median scan, as :func:`fixed_costs`).
     By default the sidecar's control path (its reading of a prefetch, the L3 query, the lane's
-    pick-up, the wake-up after a session ends), whose jitter adds up along a session; the engine
-    loop's own costs (the scan's round trip included) stay their medians: drawn, their tails
-    lengthened every service at 0.9 load, which the real engine's did not (its no_prefetch p50 is
-    predicted within 10 % with medians, 1.10-1.37x with them drawn)."""
+    pick-up, the wake-up after a session ends), whose jitter adds up along a session, and the
+    group's skew (its slowest rank's prefill end after rank 0's: two-valued, ~0 where rank 0 was
+    the slow one and ~1 ms where another was — its median, ~0, took ~0.5 ms off every restored
+    request: table29's idle rows 0.92-0.95x real, 0.97-1.00x with it drawn); the engine loop's own
+    costs (the scan's round trip included) stay their medians: drawn, their tails lengthened every
+    service at 0.9 load, which the real engine's did not (its no_prefetch p50 is predicted within
+    10 % with medians, 1.10-1.37x with them drawn)."""
     samples = fixed_samples(run, arm, arrivals)
     scan = _median(samples["scan_s"], DEFAULTS["scan_s"])
     out = []

@@ -183,3 +183,24 @@ def test_waiting_behind_counts_the_requests_a_prefill_holds_up():
     assert behind(b"", a1, b"") == [2, 1, 0]
     assert behind(a1, a2, a1) == [0, 0, 0]
     assert waiting_behind([(1, 2), None, (1, 2), (3,)]) == [2, 2, 1, 0]  # any key: token ids too
+
+
+def test_an_arrival_waits_for_the_engine_loop_to_finish_a_completion():
+    """The engine loop's one thread completes a finished prefill (every rank's store committed,
+    ``publish_s``) before it takes the next arrival up: a request that comes meanwhile enters
+    the queue ``enter_s`` after the completion, not after its arrival; one that comes later is
+    not held."""
+    prefix = [sv._key("p", j) for j in range(32)]
+    a, b, c = (b"".join(prefix + [sv._key(name, 0)]) for name in ("a", "b", "c"))
+    p = sv.SimParams(tp=2, prefix_tokens=2048, publish_s=0.004, enter_s=0.0002)
+    first_end = 33 * p.compute_s_per_block + p.enter_s  # r0: a cold prefill of 33 blocks
+    stream = [(0.0, "r0", a), (first_end + 0.001, "r1", b), (first_end + 0.030, "r2", c)]
+    e = sv.Engine(p, "no_prefetch", stream, arm_kw=None)
+    e.l3.holds.clear()
+    out = e.run()
+    by = {r["req"]: r for r in out["results"]}
+    # r1 came 1 ms into the 4 ms completion: it enters 0.2 ms after the completion, 3.2 ms later
+    assert by["r1"]["queue_s"] == pytest.approx(first_end + p.publish_s + p.enter_s - stream[1][0], abs=1e-9)
+    assert by["r2"]["queue_s"] == pytest.approx(p.enter_s, abs=1e-9)  # the loop was free: not held
+    assert by["r1"]["hit_pool"] == 32 and by["r2"]["hit_pool"] == 32  # (the first's store was published)
+    assert out["books"] == "ok" and out["leases_left"] == 0 and out["staging_left"] == 0 and out["corrupt"] == 0

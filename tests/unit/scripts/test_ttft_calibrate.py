@@ -55,5 +55,6 @@ def test_cost_samples_are_the_control_paths_under_their_simulator_names():
     got = dict(cost_samples(run, "cost_aware"))
     assert got["create_s"] == pytest.approx((0.0002,)) and got["meta_latency_s"] == pytest.approx((0.0018,))
     assert got["lane_pickup_s"] == pytest.approx((0.0005,))
-    assert "skew_s" not in got and "scan_s" not in got  # the engine loop's costs stay constants
-    assert set(JITTERED) >= {"query_s", "create_s", "pickup_s"}
+    assert got["skew_s"] == pytest.approx((0.0003,))  # the group's skew: two-valued, drawn
+    assert "scan_s" not in got and "turnaround_s" not in got  # the engine loop's costs stay constants
+    assert set(JITTERED) >= {"query_s", "create_s", "pickup_s", "skew_s"}
