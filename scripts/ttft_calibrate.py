@@ -54,13 +54,20 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
     * ``query_s``: the L3 existence query (session created -> answered; every arm);
     * ``enter_s``: arrival -> in the queue with its prefetch sent;
     * ``scan_s``: a scan's round trip, from requests admitted by the scan that first saw them
-      at an idle engine (entered -> admitted within 5 ms, demanded and admitted together): from
-      their session's creation (the time before it is ``create_s``), else from entering;
+      at an idle engine (entered -> admitted within 5 ms, demanded and admitted together; with
+      ``arrivals``, also no other request's prefill or completion — its admission to its store —
+      in that time: the engine does not scan then, and a first scan after one measured the
+      engine's busy time, a median of 5 ms on table30's r0.3-load0.9-tp2): from their
+      session's creation (the time before it is ``create_s``), else from entering;
     * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms);
     * ``admit_s``: the GET's round trip;
     * ``skew_s``: the group's prefill ending after rank 0's (its slowest rank's: ``rank_skew_ms``);
     * ``publish_s``: a prefill's end -> its blocks published (the last rank's store committed;
-      0 for a table run from before it was measured);
+      0 for a table run from before it was measured); with ``arrivals``, from the prefills
+      ``turnaround_s`` is measured after (a request queued behind them), the completions that
+      hold the engine: over every prefill its median was up to twice that (table30's
+      r2-load0.9-tp4 timeout_short: 3.1 ms against 1.5 ms), and the virtual engine's next scan
+      waits for it;
     * ``create_s``: in the queue (its prefetch sent) -> the session created (the sidecar reads
       the prefetch in its next pass);
     * ``pickup_s``: the session's first read claimed -> started on the L3 lane (the claim pass,
@@ -77,13 +84,20 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
     samples = {k: ([], []) for k in keys}
     for name, a in run["arms"].items():
         mine = arm is None or name == arm
+        busy = []  # (req, from, to) ms: a prefill and its completion, admission to store (no scan then)
+        if arrivals:
+            busy = [(r["req"], arrivals[r["req"]] * 1e3 + r["timeline"]["admit"],
+                     arrivals[r["req"]] * 1e3 + r["timeline"].get("stored", r["timeline"]["prefill_end"]))
+                    for r in a.get("results", ()) if "timeline" in r]
         if arrivals:
             spans = sorted((arrivals[r["req"]] * 1e3 + r["timeline"]["admit"], arrivals[r["req"]] * 1e3 + r["timeline"]["entered"],
-                            arrivals[r["req"]] * 1e3 + r["timeline"]["prefill_end"])
+                            arrivals[r["req"]] * 1e3 + r["timeline"]["prefill_end"],
+                            r["timeline"].get("stored", r["timeline"]["prefill_end"]) - r["timeline"]["prefill_end"])
                            for r in a.get("results", ()) if "timeline" in r)
-            for (_, _, end), (admit, entered, _) in zip(spans, spans[1:]):
+            for (_, _, end, published), (admit, entered, _, _) in zip(spans, spans[1:]):
                 if entered < end <= admit < end + 10.0:  # queued when the prefill ended
                     samples["turnaround_s"][0 if mine else 1].append((admit - end) / 1e3)
+                    samples["publish_s"][0 if mine else 1].append(max(0.0, published) / 1e3)
         for r in a.get("results", ()):
             ev = {e[0]: e[1] for e in r.get("events") or ()}
             t = r.get("timeline") or {}
@@ -96,7 +110,7 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
                 got["admit_s"] = t["got"] - t["admit"]
             if "rank_skew_ms" in r:
                 got["skew_s"] = r["rank_skew_ms"]
-            if "stored" in t and "prefill_end" in t:
+            if not arrivals and "stored" in t and "prefill_end" in t:
                 got["publish_s"] = max(0.0, t["stored"] - t["prefill_end"])
             if "created" in ev and "entered" in t:
                 got["create_s"] = max(0.0, ev["created"] - t["entered"])
@@ -109,8 +123,11 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
                     got["pickup_s"] = waited
             if {"candidate", "admit", "entered"} <= t.keys():
                 first_scan = t["admit"] - t["candidate"] < 0.1
-                if first_scan and t["admit"] - t["entered"] < 5.0:  # (from its session's creation, when it
-                    # has one: the time before that is create_s)
+                idle = not arrivals or not any(
+                    other != r["req"] and lo < arrivals[r["req"]] * 1e3 + t["candidate"]
+                    and hi > arrivals[r["req"]] * 1e3 + t["entered"] for other, lo, hi in busy)
+                if first_scan and idle and t["admit"] - t["entered"] < 5.0:  # (from its session's creation,
+                    # when it has one: the time before that is create_s)
                     got["scan_s"] = t["candidate"] - max(t["entered"], ev.get("created", t["entered"]))
                 if not first_scan and "terminal" in ev and 0 <= t["admit"] - ev["terminal"] < 2.5:
                     got["wake_s"] = t["admit"] - ev["terminal"]
@@ -156,7 +173,8 @@ def row_stream_args(row: dict, requests: int) -> dict:
                 load=row["load"], compute_ms_per_ktok=COMPUTE_MS_PER_KTOK, pool_blocks=POOL_BLOCKS)
 
 
-DRAWS = 3  # the virtual run of a row is repeated with this many draws of its jittered costs
+DRAWS = 7  # the virtual run of a row is repeated with this many draws of its jittered costs (3 left
+# single cascades at 0.9 load in the median: table30 r2-load0.9-tp4 timeout_long 3.9x real with 3, 1.0x with 7)
 
 
 def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True, draw: int = 0) -> dict:

@@ -58,3 +58,36 @@ def test_cost_samples_are_the_control_paths_under_their_simulator_names():
     assert got["skew_s"] == pytest.approx((0.0003,))  # the group's skew: two-valued, drawn
     assert "scan_s" not in got and "turnaround_s" not in got  # the engine loop's costs stay constants
     assert set(JITTERED) >= {"query_s", "create_s", "pickup_s", "skew_s"}
+
+
+def _timed(req, admit, prefill_end, stored, entered=0.2, candidate=None):
+    """A request's timeline (ms from its own arrival) with its first scan at ``candidate``."""
+    cand = admit if candidate is None else candidate
+    return {"req": req, "events": [], "rank_skew_ms": 0.0,
+            "timeline": {"entered": entered, "candidate": cand, "admit": admit, "got": admit, "loaded": admit,
+                         "prefill_start": admit, "prefill_end": prefill_end, "stored": stored}}
+
+
+def test_with_arrivals_a_first_scan_after_a_busy_engine_is_not_a_scan_sample():
+    """r1 entered while r0's prefill ran (no scan then): its first scan came 4 ms later, the
+    engine's busy time, not a round trip; r2 entered at an idle engine: its 0.6 ms is one."""
+    arrivals = {"r0": 0.0, "r1": 0.001, "r2": 0.100}
+    run = {"arms": {"no_prefetch": {"results": [
+        _timed("r0", admit=0.5, prefill_end=4.0, stored=4.5),
+        _timed("r1", admit=4.2, prefill_end=8.0, stored=8.5),  # (ms from its arrival, 1 ms after r0's)
+        _timed("r2", admit=0.8, prefill_end=5.0, stored=5.5)]}}}
+    assert fixed_costs(run, "no_prefetch", arrivals)["scan_s"] == pytest.approx(0.00045)  # r0 0.3, r2 0.6
+    assert fixed_costs(run, "no_prefetch")["scan_s"] == pytest.approx(0.0006)  # without arrivals: r1's 4.0 kept
+
+
+def test_with_arrivals_publish_is_measured_on_the_completions_a_queued_request_waited_for():
+    """r0's completion held r1 (queued when r0's prefill ended): its 1 ms is the sample; r1's 6 ms
+    (nothing queued behind it) is not, as it held no scan."""
+    arrivals = {"r0": 0.0, "r1": 0.001, "r2": 0.100}
+    run = {"arms": {"no_prefetch": {"results": [
+        _timed("r0", admit=0.5, prefill_end=4.0, stored=5.0),
+        _timed("r1", admit=4.5, prefill_end=8.0, stored=14.0),  # (admitted 1.5 ms after r0 ended)
+        _timed("r2", admit=0.8, prefill_end=5.0, stored=5.5)]}}}
+    assert fixed_costs(run, "no_prefetch", arrivals)["publish_s"] == pytest.approx(0.001)
+    assert fixed_costs(run, "no_prefetch", arrivals)["turnaround_s"] == pytest.approx(0.0015 - 0.00045)  # less the scan
+    assert fixed_costs(run, "no_prefetch")["publish_s"] == pytest.approx(0.0010)  # every prefill: 1, 6, 0.5 ms
