@@ -87,6 +87,9 @@ class SimParams:
     wake_s: float = 0.0  # a queued request's session ended, the engine idle -> its next scan (calibration)
     turnaround_s: float = 0.0  # a prefill's end -> the next scan (the end noticed, the store; calibration)
     skew_s: float = 0.0  # the group's prefill ends with its slowest rank's: after rank 0's by this (calibration)
+    # the same for an admission of a request that queued behind the prefill just ended: the ranks
+    # come to it in step (no rank woken from idle), and the real skew is smaller (calibration; None: skew_s)
+    skew_queued_s: float | None = None
     # a prefill's end -> its blocks published (every rank's store committed; calibration).  The
     # engine scans again only once they are (the real ranks complete and store a prefill before
     # any scans: a scan that raced the last rank's commit lost the hit on a 0.2 ms coin flip)
@@ -203,6 +206,7 @@ class _Req:
     demanded: bool = False
     session_t0: float | None = None
     admitted_at: float | None = None
+    entered_at: float | None = None
 
 
 _ARMS_ENTRY = object()  # Engine's default arm settings: the arm's entry in ARMS
@@ -243,6 +247,7 @@ class Engine:
         # the engine loop's own thread is taken (an admission's scan, GET and copy; a finished
         # prefill's completion and store) until then: an arrival meanwhile enters after it
         self.loop_free_at = 0.0
+        self.last_end = float("-inf")  # the last prefill's end
         self.step = 0
         self.step_armed = False
         self.results: list = []
@@ -281,6 +286,7 @@ class Engine:
         self.loop.call_at(max(self.loop.t, self.loop_free_at) + self.cost("enter_s"), self.arrive, r)
 
     def arrive(self, r: _Req) -> None:
+        r.entered_at = self.loop.t
         self.queue.append(r)
         if self.kw is not None:
             r.prefetching, r.session_t0 = True, self.loop.t
@@ -369,7 +375,9 @@ class Engine:
         # (resident at queue entry, stored by an earlier prefill, or read by another session)
         restored_l3 = min(n, rec.restored) if rec is not None else 0
         in_loop = self.cost("scan_s") + self.cost("admit_s") + n * self.p.copy_s_per_block
-        prefill = in_loop + (r.blocks - n) * self.p.compute_s_per_block + self.cost("skew_s")
+        queued = r.entered_at is not None and r.entered_at < self.last_end <= now < self.last_end + 0.010
+        skew = self.cost("skew_queued_s") if queued and self.p.skew_queued_s is not None else self.cost("skew_s")
+        prefill = in_loop + (r.blocks - n) * self.p.compute_s_per_block + skew
         self.busy_until = now + prefill
         self.loop_free_at = max(self.loop_free_at, now + in_loop)
         info = {"req": r.rid, "arrival": r.arrival, "blocks": r.blocks, "hit_pool": n - restored_l3,
@@ -385,6 +393,7 @@ class Engine:
         self.loop.call_at(self.busy_until, self._done, r, get.get("lease", 0))
 
     def _done(self, r: _Req, lease: int) -> None:
+        self.last_end = self.loop.t
         publish = self.cost("publish_s")
         self.loop_free_at = max(self.loop_free_at, self.loop.t + publish)  # every rank completes it first
         if lease:

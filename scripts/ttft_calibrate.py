@@ -41,7 +41,7 @@ def fixed_costs(run: dict, arm: str | None = None, arrivals: dict | None = None)
 
 
 DEFAULTS = {"query_s": 0.001, "enter_s": 0.0, "scan_s": 0.0, "wake_s": 0.0, "admit_s": 0.0, "turnaround_s": 0.0,
-            "skew_s": 0.0, "publish_s": 0.0, "create_s": 0.0, "pickup_s": sv.SimParams.lane_pickup_s}
+            "skew_s": 0.0, "skew_queued_s": None, "publish_s": 0.0, "create_s": 0.0, "pickup_s": sv.SimParams.lane_pickup_s}
 # fixed_samples' names -> SimParams' fields
 SIM_FIELDS = {"query_s": "meta_latency_s", "pickup_s": "lane_pickup_s"}
 
@@ -62,6 +62,9 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
     * ``wake_s``: a queued session's end -> its admission by a later scan (within 2.5 ms);
     * ``admit_s``: the GET's round trip;
     * ``skew_s``: the group's prefill ending after rank 0's (its slowest rank's: ``rank_skew_ms``);
+    * ``skew_queued_s`` (with ``arrivals``): the same for the admissions ``turnaround_s`` is
+      measured on (a request queued behind the prefill that just ended: the ranks come to it in
+      step; medians ~0-0.4 ms against 0.5-0.7 ms at an idle engine on table29/30's load rows);
     * ``publish_s``: a prefill's end -> its blocks published (the last rank's store committed;
       0 for a table run from before it was measured); with ``arrivals``, from the prefills
       ``turnaround_s`` is measured after (a request queued behind them), the completions that
@@ -79,8 +82,8 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
       request's store, the next scan), within 10 ms.
 
     ``arm``: that arm's own requests (a cost it has no sample of: every arm's); None: all arms."""
-    keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "publish_s", "create_s",
-            "pickup_s")
+    keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "skew_queued_s",
+            "publish_s", "create_s", "pickup_s")
     samples = {k: ([], []) for k in keys}
     for name, a in run["arms"].items():
         mine = arm is None or name == arm
@@ -92,12 +95,15 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
         if arrivals:
             spans = sorted((arrivals[r["req"]] * 1e3 + r["timeline"]["admit"], arrivals[r["req"]] * 1e3 + r["timeline"]["entered"],
                             arrivals[r["req"]] * 1e3 + r["timeline"]["prefill_end"],
-                            r["timeline"].get("stored", r["timeline"]["prefill_end"]) - r["timeline"]["prefill_end"])
+                            r["timeline"].get("stored", r["timeline"]["prefill_end"]) - r["timeline"]["prefill_end"],
+                            r.get("rank_skew_ms"))
                            for r in a.get("results", ()) if "timeline" in r)
-            for (_, _, end, published), (admit, entered, _, _) in zip(spans, spans[1:]):
+            for (_, _, end, published, _), (admit, entered, _, _, skew) in zip(spans, spans[1:]):
                 if entered < end <= admit < end + 10.0:  # queued when the prefill ended
                     samples["turnaround_s"][0 if mine else 1].append((admit - end) / 1e3)
                     samples["publish_s"][0 if mine else 1].append(max(0.0, published) / 1e3)
+                    if skew is not None:
+                        samples["skew_queued_s"][0 if mine else 1].append(skew / 1e3)
         for r in a.get("results", ()):
             ev = {e[0]: e[1] for e in r.get("events") or ()}
             t = r.get("timeline") or {}
@@ -136,7 +142,7 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
     return {k: own or other for k, (own, other) in samples.items()}
 
 
-JITTERED = ("query_s", "create_s", "pickup_s", "wake_s", "skew_s")
+JITTERED = ("query_s", "create_s", "pickup_s", "wake_s", "skew_s", "skew_queued_s")
 
 
 def cost_samples(run: dict, arm: str | None = None, arrivals: dict | None = None, names=JITTERED) -> tuple:
@@ -199,7 +205,7 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True,
         pa = dataclasses.replace(p, seed=1 + draw, budget_s=(kw or {}).get("budget_s", p.budget_s),
                                  meta_latency_s=fixed["query_s"], lane_pickup_s=fixed["pickup_s"],
                                  cost_samples=cost_samples(row["timeline_trial"], arm, arrivals) if jitter else (),
-                                 **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s",
+                                 **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "skew_queued_s",
                                                           "publish_s", "create_s")})
         res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
         out[arm] = [r["ttft_s"] * 1e3 for r in res["results"]]

@@ -204,3 +204,19 @@ def test_an_arrival_waits_for_the_engine_loop_to_finish_a_completion():
     assert by["r2"]["queue_s"] == pytest.approx(p.enter_s, abs=1e-9)  # the loop was free: not held
     assert by["r1"]["hit_pool"] == 32 and by["r2"]["hit_pool"] == 32  # (the first's store was published)
     assert out["books"] == "ok" and out["leases_left"] == 0 and out["staging_left"] == 0 and out["corrupt"] == 0
+
+
+def test_an_admission_queued_behind_the_prefill_just_ended_takes_the_queued_skew():
+    """``skew_queued_s`` for a request that waited behind the prefill that just ended (the ranks
+    come to it in step), ``skew_s`` for one admitted at an idle engine."""
+    prefix = [sv._key("p", j) for j in range(32)]
+    a, b, c = (b"".join(prefix + [sv._key(name, 0)]) for name in ("a", "b", "c"))
+    p = sv.SimParams(tp=2, prefix_tokens=2048, skew_s=0.003, skew_queued_s=0.0005)
+    stream = [(0.0, "r0", a), (0.001, "r1", b), (1.0, "r2", c)]  # r1 queues behind r0; r2 comes to an idle engine
+    e = sv.Engine(p, "no_prefetch", stream, arm_kw=None)
+    e.l3.holds.clear()
+    by = {r["req"]: r for r in e.run()["results"]}
+    one_block = p.compute_s_per_block  # r1 and r2 hit the prefix r0 stored: one block each to compute
+    assert by["r0"]["prefill_s"] == pytest.approx(33 * p.compute_s_per_block + p.skew_s)  # (an idle engine)
+    assert by["r1"]["prefill_s"] == pytest.approx(32 * p.copy_s_per_block + one_block + p.skew_queued_s)
+    assert by["r2"]["prefill_s"] == pytest.approx(32 * p.copy_s_per_block + one_block + p.skew_s)

@@ -91,3 +91,17 @@ def test_with_arrivals_publish_is_measured_on_the_completions_a_queued_request_w
     assert fixed_costs(run, "no_prefetch", arrivals)["publish_s"] == pytest.approx(0.001)
     assert fixed_costs(run, "no_prefetch", arrivals)["turnaround_s"] == pytest.approx(0.0015 - 0.00045)  # less the scan
     assert fixed_costs(run, "no_prefetch")["publish_s"] == pytest.approx(0.0010)  # every prefill: 1, 6, 0.5 ms
+
+
+def test_with_arrivals_the_skew_of_a_queued_admission_is_its_own_sample():
+    """The ranks come to a request queued behind the prefill that just ended in step: its skew
+    (r1's 0.1 ms) is ``skew_queued_s``; ``skew_s`` is every admission's (0.1, 0.8, 0.9 ms)."""
+    arrivals = {"r0": 0.0, "r1": 0.001, "r2": 0.100}
+    reqs = [_timed("r0", admit=0.5, prefill_end=4.0, stored=5.0), _timed("r1", admit=4.5, prefill_end=8.0, stored=9.0),
+            _timed("r2", admit=0.8, prefill_end=5.0, stored=5.5)]
+    for r, skew in zip(reqs, (0.8, 0.1, 0.9)):
+        r["rank_skew_ms"] = skew
+    run = {"arms": {"no_prefetch": {"results": reqs}}}
+    got = fixed_costs(run, "no_prefetch", arrivals)
+    assert got["skew_queued_s"] == pytest.approx(0.0001) and got["skew_s"] == pytest.approx(0.0008)
+    assert fixed_costs(run, "no_prefetch")["skew_queued_s"] is None  # (without arrivals: not known; skew_s is used)
