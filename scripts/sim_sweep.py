@@ -105,8 +105,8 @@ TABLE_ARM_FOR = {"one_graph_timeout": "timeout_long", "timeout_chunk128": "timeo
 
 
 def calibration(table_json: str) -> dict:
-    """``{tp: {arm: {enter_s, create_s, scan_s, wake_s, admit_s, turnaround_s, skew_s, publish_s, meta_latency_s,
-    lane_pickup_s, cost_samples}}}``: the fixed costs per
+    """``{tp: {arm: {enter_s, create_s, scan_s, wake_s, admit_s, turnaround_s, skew_s, skew_queued_s, publish_s,
+    meta_latency_s, lane_pickup_s, cost_samples}}}``: the fixed costs per
     request the real-process table measured (``scripts.simulate --table --json``), medians over
     that TP's rows, for each sweep arm (timeout arms: the table's timeout arm of that kind)."""
     import json
@@ -122,7 +122,8 @@ def calibration(table_json: str) -> dict:
         out[tp] = {}
         for arm in sv.ARMS:
             costs = [fixed_costs(run, TABLE_ARM_FOR.get(arm, arm), arr) for run, arr in mine]
-            med = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
+            known = {k: [c[k] for c in costs if c[k] is not None] for k in costs[0]}
+            med = {k: statistics.median(xs) if xs else None for k, xs in known.items()}  # (None: no row measured it)
             med["meta_latency_s"] = med.pop("query_s")
             med["lane_pickup_s"] = med.pop("pickup_s")
             pooled: dict = {}  # the jittered costs' samples, over that TP's rows

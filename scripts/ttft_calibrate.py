@@ -70,7 +70,7 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
       ``turnaround_s`` is measured after (a request queued behind them), the completions that
       hold the engine: over every prefill its median was up to twice that (table30's
       r2-load0.9-tp4 timeout_short: 3.1 ms against 1.5 ms), and the virtual engine's next scan
-      waits for it;
+      waits for it; where no prefill had one (an idle row), every prefill's;
     * ``create_s``: in the queue (its prefetch sent) -> the session created (the sidecar reads
       the prefetch in its next pass);
     * ``pickup_s``: the session's first read claimed -> started on the L3 lane (the claim pass,
@@ -85,6 +85,7 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
     keys = ("query_s", "enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "skew_queued_s",
             "publish_s", "create_s", "pickup_s")
     samples = {k: ([], []) for k in keys}
+    every_publish: tuple = ([], [])
     for name, a in run["arms"].items():
         mine = arm is None or name == arm
         busy = []  # (req, from, to) ms: a prefill and its completion, admission to store (no scan then)
@@ -116,8 +117,8 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
                 got["admit_s"] = t["got"] - t["admit"]
             if "rank_skew_ms" in r:
                 got["skew_s"] = r["rank_skew_ms"]
-            if not arrivals and "stored" in t and "prefill_end" in t:
-                got["publish_s"] = max(0.0, t["stored"] - t["prefill_end"])
+            if "stored" in t and "prefill_end" in t:  # (every prefill's: used where none was queued behind)
+                every_publish[0 if mine else 1].append(max(0.0, t["stored"] - t["prefill_end"]) / 1e3)
             if "created" in ev and "entered" in t:
                 got["create_s"] = max(0.0, ev["created"] - t["entered"])
             claims = [e for e in r.get("events") or () if e[0] == "claim"]
@@ -139,6 +140,8 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
                     got["wake_s"] = t["admit"] - ev["terminal"]
             for k, v in got.items():
                 samples[k][0 if mine else 1].append(v / 1e3)
+    if not any(samples["publish_s"]):  # no prefill had a request queued behind it (an idle row)
+        samples["publish_s"] = every_publish
     return {k: own or other for k, (own, other) in samples.items()}
 
 

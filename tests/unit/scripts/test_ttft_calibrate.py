@@ -105,3 +105,11 @@ def test_with_arrivals_the_skew_of_a_queued_admission_is_its_own_sample():
     got = fixed_costs(run, "no_prefetch", arrivals)
     assert got["skew_queued_s"] == pytest.approx(0.0001) and got["skew_s"] == pytest.approx(0.0008)
     assert fixed_costs(run, "no_prefetch")["skew_queued_s"] is None  # (without arrivals: not known; skew_s is used)
+
+
+def test_with_arrivals_and_nothing_ever_queued_publish_is_every_prefills():
+    """An idle row: no prefill had a request queued behind it, so publish_s is every prefill's."""
+    arrivals = {"r0": 0.0, "r1": 0.100}
+    run = {"arms": {"no_prefetch": {"results": [_timed("r0", admit=0.5, prefill_end=4.0, stored=5.0),
+                                                _timed("r1", admit=0.5, prefill_end=4.0, stored=7.0)]}}}
+    assert fixed_costs(run, "no_prefetch", arrivals)["publish_s"] == pytest.approx(0.002)  # median of 1 and 3 ms
