@@ -112,13 +112,13 @@ def calibration(table_json: str) -> dict:
     import json
     from pathlib import Path
 
-    from scripts.ttft_calibrate import arrivals_of, cost_samples, fixed_costs
+    from scripts.ttft_calibrate import arrivals_of, cost_samples, fixed_costs, timed_trials
 
     table = json.loads(Path(table_json).read_text())
     rows = table["rows"]
     out: dict = {}
     for tp in sorted({r["tp"] for r in rows}):
-        mine = [(r["timeline_trial"], arrivals_of(r, table["requests"])) for r in rows if r["tp"] == tp]
+        mine = [(run, arrivals_of(r, table["requests"])) for r in rows if r["tp"] == tp for run in timed_trials(r)]
         out[tp] = {}
         for arm in sv.ARMS:
             costs = [fixed_costs(run, TABLE_ARM_FOR.get(arm, arm), arr) for run, arr in mine]

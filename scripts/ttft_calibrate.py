@@ -186,13 +186,25 @@ DRAWS = 7  # the virtual run of a row is repeated with this many draws of its ji
 # single cascades at 0.9 load in the median: table30 r2-load0.9-tp4 timeout_long 3.9x real with 3, 1.0x with 7)
 
 
-def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True, draw: int = 0) -> dict:
+def timed_trials(row: dict) -> list:
+    """The row's trials that kept their per-request timelines: every trial since table runs keep
+    them all (``more_trials``), else the first (``timeline_trial``)."""
+    return [row["timeline_trial"], *row.get("more_trials", ())]
+
+
+def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True, draw: int = 0,
+                  trial: int | None = None) -> dict:
     """``{arm: [TTFT ms per request]}``: the row's stream (``seed``: the table's own, 11, or
     another draw of the same shape) through the virtual model with the row's measured rates
     and fixed costs (``jitter``: the control path's drawn from their samples, :func:`cost_samples`,
-    with the draws numbered ``draw``)."""
-    agg = row["aggregate"]
-    rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
+    with the draws numbered ``draw``).  ``trial``: the rates and fixed costs of that timed trial
+    (:func:`timed_trials`); None: the rates' medians over trials and the first trial's costs."""
+    run = timed_trials(row)[trial or 0]
+    if trial is None:
+        agg = row["aggregate"]
+        rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
+    else:
+        rates = {k: v for k, v in run["rates"].items() if k != "nominal"}
     lay = simulate.make_layout(row["tp"])
     base = dict(row_stream_args(row, requests), seed=seed)
     stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)
@@ -204,10 +216,10 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True,
     out = {}
     for arm, kw in TABLE_ARMS.items():
         arm_kw = {k: v for k, v in kw.items() if k != "budget_s"} if kw else None  # (the row's chunk size)
-        fixed = fixed_costs(row["timeline_trial"], arm, arrivals)
+        fixed = fixed_costs(run, arm, arrivals)
         pa = dataclasses.replace(p, seed=1 + draw, budget_s=(kw or {}).get("budget_s", p.budget_s),
                                  meta_latency_s=fixed["query_s"], lane_pickup_s=fixed["pickup_s"],
-                                 cost_samples=cost_samples(row["timeline_trial"], arm, arrivals) if jitter else (),
+                                 cost_samples=cost_samples(run, arm, arrivals) if jitter else (),
                                  **{k: fixed[k] for k in ("enter_s", "scan_s", "wake_s", "admit_s", "turnaround_s", "skew_s", "skew_queued_s",
                                                           "publish_s", "create_s")})
         res = sv.Engine(pa, arm, stream, arm_kw=arm_kw).run()
@@ -216,14 +228,22 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True,
 
 
 def virtual_row(row: dict, requests: int) -> dict:
-    """Every arm's real p50 (median over trials) against the virtual one (median over
-    :data:`DRAWS` draws of the jittered costs, as the real is over trials)."""
+    """Every arm's real p50 (median over trials) against the virtual one.  With every trial
+    timed, each trial is replayed with its own rates and fixed costs (``ceil(DRAWS / trials)``
+    draws each) and the virtual p50 is the median over trials of each trial's median over its
+    draws, as the real is over trials; with one timed trial, the median over :data:`DRAWS`
+    draws of its costs with the rates' medians."""
     agg = row["aggregate"]
-    runs = [virtual_ttfts(row, requests, draw=d) for d in range(DRAWS)]
+    timed = timed_trials(row)
+    if len(timed) > 1:
+        per = -(-DRAWS // len(timed))
+        by_trial = [[virtual_ttfts(row, requests, draw=d, trial=k) for d in range(per)] for k in range(len(timed))]
+    else:
+        by_trial = [[virtual_ttfts(row, requests, draw=d) for d in range(DRAWS)]]
     out = {}
-    for arm in runs[0]:
+    for arm in by_trial[0][0]:
         real = trials_mod.median(agg["arms"][arm]["ttft_p50_ms"])
-        virt = statistics.median(ttft_bounds._pct(run[arm], 0.5) for run in runs)
+        virt = statistics.median(statistics.median(ttft_bounds._pct(run[arm], 0.5) for run in runs) for runs in by_trial)
         out[arm] = {"real_p50_ms": real, "virtual_p50_ms": virt, "ratio": virt / real if real else None,
                     "within": bool(real) and abs(virt / real - 1) <= TOLERANCE}
     return out

@@ -125,7 +125,7 @@ def run_table(requests: int, trials: int, only: set | None, l3: str = "file") ->
                 res = simulate.simulate(True, row["l3_mbps"], None, l3=l3, prefix_tokens=PREFIX_TOKENS, requests=requests,
                                         load=row["load"], tp=tp, compute_ms_per_ktok=COMPUTE_MS_PER_KTOK,
                                         n_prefixes=N_PREFIXES, pool_blocks=POOL_BLOCKS, l3_latency_ms=LATENCY_MS,
-                                        timeline=trial == 0, arm_table=TABLE_ARMS, pool=pools[tp],
+                                        timeline=True, arm_table=TABLE_ARMS, pool=pools[tp],
                                         l3_dir=dirs[tp] if l3 == "file" else None, seed=11)
                 res["estimator_error"] = res["arms"]["cost_aware"]["l3"].get("cost", {}).get("error")
                 res["wall_s"] = round(time.time() - t0, 1)
@@ -133,10 +133,8 @@ def run_table(requests: int, trials: int, only: set | None, l3: str = "file") ->
                     f"{a} {v['ttft_p50_ms']:.0f}/{v['ttft_p90_ms']:.0f}" for a, v in res["arms"].items())
                     + f"; bound {res['serial_bound']['ttft_p50_ms']:.0f}/{res['serial_bound']['ttft_p90_ms']:.0f}"
                     + f"; L3/prefill {res['rates']['ratio']:.2f}", flush=True)
-                for a in res["arms"].values():  # every trial's TTFTs (pooled_verdict); results: the first's
+                for a in res["arms"].values():  # every trial's TTFTs (pooled_verdict) and timelines (calibration)
                     a["ttft_ms"] = [round(r["ttft_ms"], 3) for r in a.get("results", ())]
-                    if trial:
-                        a.pop("results", None)
                 per_row[row["name"]].append(res)
     finally:
         for p in pools.values():
@@ -157,7 +155,7 @@ def run_table(requests: int, trials: int, only: set | None, l3: str = "file") ->
         v = verdict(agg)
         entry = dict(row, aggregate=agg, verdict=v, pooled=pooled_verdict(runs, v["timeout_arm"]),
                      ttft_ms={a: [r["arms"][a]["ttft_ms"] for r in runs] for a in runs[0]["arms"]},
-                     timeline_trial=runs[0])
+                     timeline_trial=runs[0], more_trials=runs[1:])
         out["rows"].append(entry)
     return out
 

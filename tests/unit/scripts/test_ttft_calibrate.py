@@ -113,3 +113,28 @@ def test_with_arrivals_and_nothing_ever_queued_publish_is_every_prefills():
     run = {"arms": {"no_prefetch": {"results": [_timed("r0", admit=0.5, prefill_end=4.0, stored=5.0),
                                                 _timed("r1", admit=0.5, prefill_end=4.0, stored=7.0)]}}}
     assert fixed_costs(run, "no_prefetch", arrivals)["publish_s"] == pytest.approx(0.002)  # median of 1 and 3 ms
+
+
+def test_every_timed_trial_is_replayed_with_its_own_rates():
+    """A table that kept every trial's timelines: each trial is replayed with its own rates, and the
+    virtual p50 is the median over trials.  A trial whose prefill was twice as dear predicts a
+    dearer no_prefetch; the median over (1x, 1x, 2x) is the 1x trials'."""
+    from scripts.ttft_calibrate import timed_trials, virtual_row, virtual_ttfts
+
+    def trial(c):
+        return {"arms": {}, "rates": {"compute_s_per_block": c, "copy_s_per_block": 1e-5,
+                                      "l3_s_per_block": c, "l3_latency_s": 0.001}}
+    arms = {a: {"ttft_p50_ms": {"median": 100.0}} for a in ("no_prefetch", "whole_task", "timeout_short",
+                                                             "timeout_long", "best_effort", "cost_aware")}
+    row = {"name": "r1-idle-tp2", "tp": 2, "load": 0.0, "timeline_trial": trial(0.003),
+           "more_trials": [trial(0.003), trial(0.006)],
+           "aggregate": {"rates": {"compute_s_per_block": {"median": 0.003}, "copy_s_per_block": 1e-5,
+                                   "l3_s_per_block": 0.003, "l3_latency_s": 0.001}, "arms": arms}}
+    assert len(timed_trials(row)) == 3 and len(timed_trials({"timeline_trial": trial(0.003)})) == 1
+    from scripts.ttft_bounds import _pct
+
+    one = _pct(virtual_ttfts(row, 8, trial=0)["no_prefetch"], 0.5)
+    dear = _pct(virtual_ttfts(row, 8, trial=2)["no_prefetch"], 0.5)
+    assert dear > 1.5 * one
+    assert _pct(virtual_ttfts(row, 8, trial=1)["no_prefetch"], 0.5) == one
+    assert virtual_row(row, 8)["no_prefetch"]["virtual_p50_ms"] == one  # the median over the three trials
