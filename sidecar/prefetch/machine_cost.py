@@ -36,10 +36,10 @@ from kvsidecar.sidecar.prefetch import cost
 from kvsidecar.sidecar.prefetch.cost import Outlook
 from kvsidecar.sidecar.prefetch.events import Detach, Policy, State, Status
 
-# cost_aware reads its first chunk with the L3 query only where a block's read costs at most this
-# share of the prefill it saves, and while the read lane's backlog estimate is under this many L3
-# query times (see CostRules._cost_reads_beside_query)
-CLEAR_SAVING = 0.5
+# cost_aware reads its first chunk with the L3 query only where a restore clearly pays
+# (cost.CLEAR_SAVING), and while the read lane's backlog estimate is under this many L3 query times
+# (see CostRules._cost_reads_beside_query)
+CLEAR_SAVING = cost.CLEAR_SAVING
 BESIDE_QUERY_BACKLOG = 3.0
 
 
