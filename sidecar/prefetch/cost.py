@@ -85,9 +85,14 @@ class Outlook:
         """Restoring is cheaper per block than recomputing (latency aside)."""
         return self.l3_s_per_block < self.saving_per_block
 
+    @property
+    def restore_clearly_pays(self) -> bool:
+        """A block's read costs at most :data:`CLEAR_SAVING` of the prefill it saves: far enough
+        from break-even that the estimate moving will not flip the decision."""
+        return self.l3_s_per_block <= CLEAR_SAVING * self.saving_per_block
 
-# a restore "clearly pays" where a block's read costs at most this share of the prefill it saves
-CLEAR_SAVING = 0.5
+
+CLEAR_SAVING = 0.5  # a restore "clearly pays" where a block's read costs at most this share of the prefill it saves
 LATENCY_SHARE = 0.02  # a chunk is made large enough that its read's fixed cost is at most this share
 MAX_GROWTH = 8  # ... but never more than this many times chunk_max_blocks
 
@@ -102,7 +107,7 @@ def chunk_size(o: Outlook, chunk_max: int) -> int:
     length -- measured in the calibrated virtual model at L3/prefill 1 under 0.9 load (seven
     request streams, three calibrations): p90 1.10-1.33x the best other arm with chunks grown to
     22 blocks, 0.70-0.93x kept at chunk_max; the 72-row sweep no worse on any row."""
-    if not o.l3_s_per_block <= CLEAR_SAVING * o.saving_per_block or o.l3_s_per_block <= 0:
+    if not o.restore_clearly_pays or o.l3_s_per_block <= 0:
         return chunk_max
     k = math.ceil(o.l3_latency_s / (LATENCY_SHARE * o.l3_s_per_block))
     return max(chunk_max, min(k, MAX_GROWTH * chunk_max))

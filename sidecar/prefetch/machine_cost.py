@@ -196,7 +196,7 @@ class CostRules:
         interleaved trials per TP size, against a bound of one query time: p50 0.85-0.87x, p90
         0.98-1.02x; with no bound at all p90 went to 1.02-1.11x."""
         o = self.outlook
-        return (not (o.unmeasured or o.probe_blocks) and o.l3_s_per_block <= CLEAR_SAVING * o.saving_per_block
+        return (not (o.unmeasured or o.probe_blocks) and o.restore_clearly_pays
                 and o.backlog_s < BESIDE_QUERY_BACKLOG * (o.query_s or o.l3_latency_s))
 
     def _new_outlook(self, o) -> None:
