@@ -88,23 +88,24 @@ def fixed_samples(run: dict, arm: str | None = None, arrivals: dict | None = Non
     every_publish: tuple = ([], [])
     for name, a in run["arms"].items():
         mine = arm is None or name == arm
-        busy = []  # (req, from, to) ms: a prefill and its completion, admission to store (no scan then)
+        spans = []  # per timed request, absolute ms: its admission, entry, prefill end and store
         if arrivals:
-            busy = [(r["req"], arrivals[r["req"]] * 1e3 + r["timeline"]["admit"],
-                     arrivals[r["req"]] * 1e3 + r["timeline"].get("stored", r["timeline"]["prefill_end"]))
-                    for r in a.get("results", ()) if "timeline" in r]
-        if arrivals:
-            spans = sorted((arrivals[r["req"]] * 1e3 + r["timeline"]["admit"], arrivals[r["req"]] * 1e3 + r["timeline"]["entered"],
-                            arrivals[r["req"]] * 1e3 + r["timeline"]["prefill_end"],
-                            r["timeline"].get("stored", r["timeline"]["prefill_end"]) - r["timeline"]["prefill_end"],
-                            r.get("rank_skew_ms"))
-                           for r in a.get("results", ()) if "timeline" in r)
-            for (_, _, end, published, _), (admit, entered, _, _, skew) in zip(spans, spans[1:]):
-                if entered < end <= admit < end + 10.0:  # queued when the prefill ended
-                    samples["turnaround_s"][0 if mine else 1].append((admit - end) / 1e3)
-                    samples["publish_s"][0 if mine else 1].append(max(0.0, published) / 1e3)
-                    if skew is not None:
-                        samples["skew_queued_s"][0 if mine else 1].append(skew / 1e3)
+            for r in a.get("results", ()):
+                if "timeline" in r:
+                    t, at = r["timeline"], arrivals[r["req"]] * 1e3
+                    spans.append({"req": r["req"], "admit": at + t["admit"], "entered": at + t["entered"],
+                                  "end": at + t["prefill_end"], "stored": at + t.get("stored", t["prefill_end"]),
+                                  "skew": r.get("rank_skew_ms")})
+            spans.sort(key=lambda x: x["admit"])
+        # a prefill and its completion, admission to store: the engine does not scan then
+        busy = [(x["req"], x["admit"], x["stored"]) for x in spans]
+        for prev, nxt in zip(spans, spans[1:]):
+            end = prev["end"]
+            if nxt["entered"] < end <= nxt["admit"] < end + 10.0:  # queued when the prefill ended
+                samples["turnaround_s"][0 if mine else 1].append((nxt["admit"] - end) / 1e3)
+                samples["publish_s"][0 if mine else 1].append(max(0.0, prev["stored"] - end) / 1e3)
+                if nxt["skew"] is not None:
+                    samples["skew_queued_s"][0 if mine else 1].append(nxt["skew"] / 1e3)
         for r in a.get("results", ()):
             ev = {e[0]: e[1] for e in r.get("events") or ()}
             t = r.get("timeline") or {}

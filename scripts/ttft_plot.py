@@ -2,7 +2,7 @@
 every arm beside the serial bound and the overlap oracle, and each arm's mean TTFT split by
 phase (stacked bars: enter, queue, own prefetch, GET, copy, prefill) beside the bound's parts.
 
-Uses the first trial's per-request results (every trial keeps its timelines since this stop; older tables, the first only).
+Uses the first trial's per-request results (a table keeps every trial's; older ones kept only the first's).
 """
 
 from __future__ import annotations
