@@ -353,6 +353,8 @@ class Session(CostRules):
             self.next_pos = c.start
         else:
             c.count = e.granted
+            if c.valid is not None:  # (read with the query, fitted to L3's hit before the shrink)
+                c.valid = min(c.valid, c.count)
             self.next_pos = c.start + e.granted
         self.target = self.next_pos
         self._seal(Status.LIMIT, "limit")  # over a budget: stop claiming, end with what it has
