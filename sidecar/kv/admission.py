@@ -281,6 +281,22 @@ class PoolManager:
         self.holds[sid] = hold
         return hold
 
+    def reads_ahead(self, chain: bytes, start: int) -> tuple[int, set]:
+        """``(n, sessions)``: positions ``[start, start + n)`` of ``chain`` are staged by sessions'
+        L3 reads (attached plans or orphans) that have not failed them — a claim of them would
+        await those reads (SHARED), not read them again — and the ids of the sessions that
+        claimed them.  Stops at the first position that is not (resident, free, a store's or a
+        restore's staging, a read that failed it)."""
+        n, sessions = 0, set()
+        for pos in range(start, id_count(chain)):
+            plan = self.staged_by.get(chain_key(chain, pos))
+            # (a key names its position too — it chains its parent's — so the writer stages it there)
+            if plan is None or pos not in plan.own_blocks or (plan.read_ok is not None and not plan.read_ok.get(pos)):
+                break
+            sessions.add(plan.hold.id)
+            n += 1
+        return n, sessions
+
     def claim(self, hold: SessionHold, chunk: int, start: int, count: int, on_shared) -> ChunkPlan | Refusal:
         """Claim positions ``[start, start + count)`` of the session's chain: resident ones are
         pinned, ones another writer stages are awaited (``on_shared(plan)`` when one resolves),

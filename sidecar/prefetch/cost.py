@@ -27,6 +27,11 @@ while the saving exceeds the delay, which is exactly the marginal form of the se
 
 Chunk size bounds the regret of a stop: a wrong decision costs at most one chunk's transfer.
 
+Blocks another session is already reading (a request of the same prompt ahead of this one) are
+not read again: a claim awaits that read.  They land when it does (``Outlook.awaited_at``) and
+take no lane time, so the plans are priced with them apart (``awaited``): restoring just them is
+a plan, and the reads of a plan are only of the blocks past them.
+
 While the L3 existence query is still out, a scheduling candidate is blocked on it:
 :func:`worth_querying` ends the session at once (``Status.COST``) when even the best case
 (L3 holds every remaining block, the query answers ``query_s`` after it was sent) cannot lower TTFT — a pool
@@ -60,6 +65,12 @@ class Outlook:
     query_s: float = 0.0  # how long an L3 existence query takes (measured; 0: unknown)
     unmeasured: bool = False  # the L3 estimate is still the configured prior (no read has landed)
     waiting: int = 0  # queued requests this one's prefill holds up, each by as long (a read does not)
+    # blocks another session is already reading from L3: the chain's positions up to ``awaited_to``
+    # from where the next claim starts, expected to land at ``awaited_at`` (the lane's work up to
+    # that session's reads).  Claimed, they are awaited, not read again (one publication serves
+    # both): they cost this session no lane time, only the wait for that read
+    awaited_to: int = 0
+    awaited_at: float = 0.0
 
     def __post_init__(self):
         for f in ("prefill_s_per_block", "l3_latency_s", "l3_s_per_block", "backlog_s", "load_s_per_block",
@@ -71,6 +82,14 @@ class Outlook:
             raise ValueError(f"Outlook.waiting must be a non-negative int, not {self.waiting!r}")
         if not math.isfinite(self.eta):
             raise ValueError("Outlook.eta must be finite")
+        if not (isinstance(self.awaited_to, int) and self.awaited_to >= 0 and math.isfinite(self.awaited_at)):
+            raise ValueError(f"Outlook.awaited_to must be a non-negative int and awaited_at finite, not "
+                             f"{self.awaited_to!r} / {self.awaited_at!r}")
+
+    def awaited(self, pos: int, remaining: int) -> int:
+        """How many of the ``remaining`` blocks from chain position ``pos`` another session's
+        read will land (at ``awaited_at``): a claim awaits them instead of reading them."""
+        return max(0, min(remaining, self.awaited_to - pos))
 
     @property
     def saving_per_block(self) -> float:
@@ -114,24 +133,30 @@ def chunk_size(o: Outlook, chunk_max: int) -> int:
 
 
 def lands(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0,
-          reads: int = 1) -> float:
+          reads: int = 1, awaited: int = 0) -> float:
     """When ``blocks`` claimed now (in ``reads`` reads) land: behind the lane's backlog (and
     what this session claimed since ``o`` was taken, ``queued_s``), never before its own claims
-    land (one lane reads in order)."""
+    land (one lane reads in order).  The first ``awaited`` of them are another session's read
+    (:meth:`Outlook.awaited`): they land at ``o.awaited_at`` and take no lane time."""
+    if awaited:
+        own = blocks - min(blocks, awaited)
+        if not own:
+            return max(current_end, o.awaited_at)
+        return max(o.awaited_at, lands(o, now, own, current_end, queued_s, reads))
     base = max(now + o.backlog_s + queued_s, current_end)
     return base + reads * o.l3_latency_s + blocks * o.l3_s_per_block
 
 
 def gain(o: Outlook, now: float, blocks: int, current_end: float, queued_s: float = 0.0,
-         reads: int = 1) -> float:
+         reads: int = 1, awaited: int = 0) -> float:
     """Seconds of TTFT saved by restoring ``blocks`` more (negative: it would cost)."""
     start_now = max(o.eta, current_end)
-    start_then = max(start_now, lands(o, now, blocks, current_end, queued_s, reads))
+    start_then = max(start_now, lands(o, now, blocks, current_end, queued_s, reads, awaited))
     return blocks * o.saving_per_block - (start_then - start_now)
 
 
 def plan(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: float,
-         claimed_before: bool, queued_s: float = 0.0, hide_behind_queue: bool = True) -> int:
+         claimed_before: bool, queued_s: float = 0.0, hide_behind_queue: bool = True, awaited: int = 0) -> int:
     """How many more blocks the policy means to restore now (0: none), over several chunks.
 
     Plans compared: restore everything that remains (in chunks: the wait for the lane is paid
@@ -145,6 +170,9 @@ def plan(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: fl
     ``hide_behind_queue`` False (an engine that waits for the whole hit it was told, SGLang's
     ``fixed_hit``): a restore dearer per block than prefill is never planned, not even what
     would land before ``eta`` — see :func:`hides_behind_queue`.
+    ``awaited``: the first so many of the ``remaining`` blocks are another session's read
+    (:meth:`Outlook.awaited`); restoring just them is a plan too, and the reads of a plan are
+    only of the blocks past them.
     """
     cap = min(remaining, chunk_size(o, chunk_max))
     if cap <= 0:
@@ -155,15 +183,18 @@ def plan(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: fl
         # probes (``probe_blocks``: the lane was idle), the others restore nothing until it lands.
         # Likewise a dearer restore an engine with a fixed hit would wait for in full.
         return min(cap, o.probe_blocks) if o.probe_blocks and not claimed_before else 0
+    awaited = min(awaited, remaining)
     plans = {cap, remaining}
+    if 0 < awaited < remaining:
+        plans.add(awaited)
     if o.l3_s_per_block > 0:
         base = max(now + o.backlog_s + queued_s, current_end) + o.l3_latency_s
-        fit = math.floor((o.eta - base) / o.l3_s_per_block)
+        fit = awaited + math.floor((o.eta - base) / o.l3_s_per_block)
         if 0 < fit < remaining:
             plans.add(fit)
     best, best_gain = 0, 0.0
     for k in sorted(plans, reverse=True):
-        g = gain(o, now, k, current_end, queued_s, reads=-(-k // cap))
+        g = gain(o, now, k, current_end, queued_s, reads=-(-max(0, k - awaited) // cap), awaited=awaited)
         if g > best_gain:
             best, best_gain = k, g
     if best == 0 and o.probe_blocks and not claimed_before:
@@ -201,9 +232,9 @@ def queued_chunk(o: Outlook, now: float, remaining: int, chunk_max: int) -> int:
 
 
 def next_claim(o: Outlook, now: float, remaining: int, chunk_max: int, current_end: float,
-               claimed_before: bool, queued_s: float = 0.0) -> int:
+               claimed_before: bool, queued_s: float = 0.0, awaited: int = 0) -> int:
     """How many blocks to claim next (0: stop claiming): the first chunk of :func:`plan`."""
-    return min(plan(o, now, remaining, chunk_max, current_end, claimed_before, queued_s),
+    return min(plan(o, now, remaining, chunk_max, current_end, claimed_before, queued_s, awaited=awaited),
                chunk_size(o, chunk_max))
 
 
@@ -219,14 +250,15 @@ def keep_admitted(o: Outlook, now: float, current_end: float, pending_blocks: in
 
 
 def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked_at: float | None = None,
-                   read_with_query: bool = False, hide_behind_queue: bool = True) -> bool:
+                   read_with_query: bool = False, hide_behind_queue: bool = True, awaited: int = 0) -> bool:
     """While the L3 query is out: could restoring some of the ``remaining`` blocks (all of them
     in L3, at best) still lower TTFT, once the query answered?  It answers ``query_s`` (as
     measured; one L3 read's latency while unmeasured) after it was sent (``asked_at``; None:
     now) — a query already out for a while answers sooner, and one overdue, about now.  False:
     stop now, the prefill starts at ``max(eta, now)``.  ``read_with_query``: the reads start
     now, beside the query (a block counts once both its read and the answer are in), not after
-    the answer.  ``hide_behind_queue``: as for :func:`plan`."""
+    the answer.  ``hide_behind_queue``, ``awaited``: as for :func:`plan` (another session's
+    read of the first ``awaited`` blocks lands whatever this one does)."""
     if remaining <= 0:
         return False
     if o.probe_blocks:
@@ -239,14 +271,20 @@ def worth_querying(o: Outlook, now: float, remaining: int, chunk_max: int, asked
     answered = max(now, (now if asked_at is None else asked_at) + took)
     reads_from = now if read_with_query else answered
     cap = max(1, chunk_size(o, chunk_max))
+    awaited = min(awaited, remaining)
     plans = {remaining}
+    if awaited:
+        plans.add(awaited)
     if o.l3_s_per_block > 0:
-        fit = math.floor((o.eta - (reads_from + o.backlog_s + o.l3_latency_s)) / o.l3_s_per_block)
+        fit = awaited + math.floor((o.eta - (reads_from + o.backlog_s + o.l3_latency_s)) / o.l3_s_per_block)
         if 0 < fit < remaining:
             plans.add(fit)
     start_now = max(o.eta, now)
     for k in plans:
-        land = max(answered, reads_from + o.backlog_s + -(-k // cap) * o.l3_latency_s + k * o.l3_s_per_block)
+        own = k - min(k, awaited)
+        land = max(answered, o.awaited_at) if awaited else answered
+        if own:
+            land = max(land, reads_from + o.backlog_s + -(-own // cap) * o.l3_latency_s + own * o.l3_s_per_block)
         if k * o.saving_per_block - (max(start_now, land) - start_now) > 0:
             return True
     return False

@@ -56,6 +56,7 @@ class CostRules:
         self.plan_claimed = p.resident  # the end of what was claimed as part of a plan
         self.keep_admitted = False  # after the seal: chunks already claimed are still read
         self.hit_cap: int | None = None  # fixed_hit: the hit the engine was told (nothing is read past it)
+        self.own_reads: set = set()  # chunks claimed with blocks of its own to read (not only awaited ones)
 
     def _query_pays(self, now: float, asked_at: float | None = None) -> bool:
         """cost_aware: could the L3 query's answer lead to a read — one that lowers TTFT
@@ -64,7 +65,8 @@ class CostRules:
         remaining, chunk = self.p.total - self.p.resident, self.p.chunk_max_blocks
         beside = self.state == State.CREATED and self._reads_beside_query
         if cost.worth_querying(self.outlook, now, remaining, chunk, asked_at, read_with_query=beside,
-                               hide_behind_queue=not self.p.fixed_hit):
+                               hide_behind_queue=not self.p.fixed_hit,
+                               awaited=self.outlook.awaited(self.p.resident, remaining)):
             return True
         return not self.p.fixed_hit and cost.queued_chunk(self.outlook, now, remaining, chunk) > 0
 
@@ -109,12 +111,11 @@ class CostRules:
         current_end)`` -- the next chunk's size (0: claim nothing now), how far the plan reaches
         past ``next_pos``, and when what is in flight is expected to land."""
         o, now = self.outlook, self.now
-        # what is in flight lands at the later of the estimate made when it was claimed and the
-        # lane's current backlog (which counts this session's own reads, last among equals)
-        current_end = max(self.expected_end, now + o.backlog_s) if self.in_flight else now
+        current_end = self._claims_land(now + o.backlog_s)
         end = self.target if self.hit_cap is None else min(self.target, self.hit_cap)
         planned = cost.plan(o, now, end - self.next_pos, self.p.chunk_max_blocks, current_end,
-                            self.claimed_any, self.queued_s, hide_behind_queue=not self.p.fixed_hit)
+                            self.claimed_any, self.queued_s, hide_behind_queue=not self.p.fixed_hit,
+                            awaited=o.awaited(self.next_pos, end - self.next_pos))
         n = min(planned, cost.chunk_size(o, self.p.chunk_max_blocks))
         if not self.p.fixed_hit:
             # queued, a whole chunk is read even where the plan (what lands by the ETA) ends
@@ -138,7 +139,7 @@ class CostRules:
             # what is claimed lands when the lane's work up to it is done, as the lane stands
             # now (its backlog counts this session's pending reads; ``queued_s``: those claimed
             # since) -- not the estimate made at the claim, which is stale once reads land early
-            pending_end = now + o.backlog_s + self.queued_s if self.in_flight else now
+            pending_end = self._claims_land(now + o.backlog_s + self.queued_s, stale=False)
             keep = cost.keep_admitted(o, now, pending_end, self.pending_blocks)
             if keep and self.in_flight:
                 return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
@@ -148,20 +149,36 @@ class CostRules:
         if not commit:
             return 0
         if not self.claimed_any and o.probe_blocks and (
-                o.unmeasured or cost.gain(o, now, n, current_end, self.queued_s) <= 0):
+                o.unmeasured or cost.gain(o, now, n, current_end, self.queued_s,
+                                          awaited=o.awaited(self.next_pos, n)) <= 0):
             self.probe_chunk = self._ids  # the id the claim gets
             # a probe that pays (L3 cheaper than prefill, latency included) lands by then
             self.probe_deadline = now + n * o.saving_per_block
         self._commit_claim(n, planned, current_end)
         return n
 
+    def _claims_land(self, lane_end: float, stale: bool = True) -> float:
+        """When what this session claimed and is still in flight lands (``now`` when nothing is):
+        a read of its own, once the lane has done its work up to it (``lane_end``: the lane's
+        backlog counts this session's own reads, last among equals), and with ``stale`` never
+        before the estimate made when it was claimed; reads it only awaits (another session's),
+        when that estimate said."""
+        if not self.in_flight:
+            return self.now
+        if any(c.ok is None and c.id in self.own_reads for c in self.chunks.values()):
+            return max(self.expected_end, lane_end) if stale else lane_end
+        return self.expected_end
+
     def _commit_claim(self, n: int, planned: int, current_end: float) -> None:
         """The bookkeeping of a cost_aware claim of ``n`` blocks at ``next_pos``."""
         o, now = self.outlook, self.now
         self.claimed_any = True
         self.plan_claimed = max(self.plan_claimed, self.next_pos + min(n, planned))
-        land = cost.lands(o, now, n, current_end, self.queued_s)
-        self.queued_s += o.l3_latency_s + n * o.l3_s_per_block
+        awaited = o.awaited(self.next_pos, n)  # (another session's read: no lane time of ours)
+        land = cost.lands(o, now, n, current_end, self.queued_s, awaited=awaited)
+        if n > awaited:
+            self.queued_s += o.l3_latency_s + (n - awaited) * o.l3_s_per_block
+            self.own_reads.add(self._ids)  # (the id the claim gets)
         self.expected_end = max(current_end, land)
 
     def _cost_first_claim(self) -> int:

@@ -35,7 +35,7 @@ from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.estimates import drain_budget, outlook
+from kvsidecar.sidecar.prefetch.estimates import awaited_reads, drain_budget, outlook
 from kvsidecar.sidecar.prefetch.executor import SessionExecutor
 from kvsidecar.sidecar.prefetch.records import Record
 from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
@@ -139,7 +139,7 @@ class SessionManager(Service):
             self._take_waiting(rec, msg)
         params = Params(policy, total, resident, chunk, c.window, deadline,
                         checkpoint_every=msg.get("checkpoint_every") or 0,
-                        checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now),
+                        checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now, resident),
                         fixed_hit=bool(msg.get("fixed_hit")), read_with_query=c.read_with_query and self.tier is not None)
         rec.machine = Session(params)
         self.records[key] = rec
@@ -304,8 +304,14 @@ class SessionManager(Service):
         return out
 
     # -- event plumbing ---------------------------------------------------------------------------
-    def _outlook(self, rec: Record, now: float) -> Outlook | None:
-        return outlook(rec, now, self.tier, self.cfg)
+    def _outlook(self, rec: Record, now: float, start: int | None = None) -> Outlook | None:
+        """cost_aware's inputs now (None for other policies), the blocks other sessions are
+        reading counted from ``start`` (default: where the session's next claim starts)."""
+        if rec.policy != Policy.COST_AWARE.value or self.tier is None:
+            return outlook(rec, now, self.tier, self.cfg)
+        pos = (rec.machine.next_pos if rec.machine is not None else 0) if start is None else start
+        return outlook(rec, now, self.tier, self.cfg,
+                       awaited=awaited_reads(rec.chain, pos, now, self.pool, self.tier, self.by_id.get))
 
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:

@@ -31,6 +31,26 @@ def test_restore_cheaper_than_prefill_claims_a_full_chunk():
     assert cost.next_claim(ol(), 0.0, remaining=100, chunk_max=32, current_end=0.0, claimed_before=False) == 32
 
 
+def test_blocks_another_session_reads_are_planned_at_its_landing_without_lane_time():
+    """10 blocks remain; another session's read of the first 8 lands at 50 ms while the lane is
+    busy for 200 ms: reading all 10 behind the lane would not pay (100 ms saved, 210 ms wait),
+    awaiting the 8 does (80 ms saved, 50 ms wait), and the 2 past them are not read."""
+    busy = ol(backlog_s=0.2, awaited_to=8, awaited_at=0.05)
+    assert cost.plan(busy, 0.0, 10, 32, 0.0, claimed_before=True) == 0
+    assert not cost.worth_querying(busy, 0.0, remaining=10, chunk_max=32)
+    assert cost.plan(busy, 0.0, 10, 32, 0.0, claimed_before=True, awaited=8) == 8
+    assert cost.worth_querying(busy, 0.0, remaining=10, chunk_max=32, awaited=8)
+    assert cost.lands(busy, 0.0, 8, 0.0, awaited=8) == 0.05  # no lane time, no read latency
+    assert cost.lands(busy, 0.0, 10, 0.0, awaited=8) == pytest.approx(0.2 + 0.002 + 2 * 0.004)
+    assert cost.lands(busy, 0.0, 8, 0.07, awaited=8) == 0.07  # never before its own claims land
+    # an awaited read that lands after the prefill it saves would end does not pay either
+    late = ol(backlog_s=0.2, awaited_to=8, awaited_at=0.09)
+    assert cost.plan(late, 0.0, 10, 32, 0.0, claimed_before=True, awaited=8) == 0
+    assert not cost.worth_querying(late, 0.0, remaining=10, chunk_max=32, awaited=8)
+    # from a position past the awaited run there is nothing to await
+    assert busy.awaited(8, 2) == 0 and busy.awaited(3, 2) == 2 and busy.awaited(3, 10) == 5
+
+
 def test_restore_dearer_than_prefill_and_no_slack_claims_nothing():
     assert cost.next_claim(ol(regime=SLOW), 0.0, 100, 32, 0.0, False) == 0
 
@@ -568,6 +588,44 @@ def test_executor_cost_aware_fast_l3_completes():
     p = terminal(b, "r")
     assert (p["status"], p["prefix"]) == ("complete", 12)
     assert b.take("r", c) == 12 and b.books()["leases"] == 0
+
+
+@pytest.mark.parametrize("awaits", [True, False])
+def test_executor_cost_aware_awaits_the_blocks_another_session_reads(awaits, monkeypatch):
+    """A request arriving while an earlier one reads their shared prefix from L3 awaits that read
+    (its blocks are neither read twice nor planned behind the lane).  Without counting that read
+    (``awaits`` False: the policy before) its own read of the prefix, behind the lane's other
+    work, did not pay, and it recomputed all of it while the earlier request was still reading."""
+    from kvsidecar.sidecar.prefetch import sessions
+
+    if not awaits:
+        monkeypatch.setattr(sessions, "awaited_reads", lambda *a, **k: (0, 0.0))
+    b = Bench(blocks=96, chunk_max_blocks=8)
+    b.tier.estimate = ReadEstimate(0.001, 0.004, 5)  # restore 0.4x prefill
+    shared = b.chain("p", 8)
+    cx, cz, cy = shared + b.chain("x", 2), b.chain("z", 26), shared + b.chain("y", 2)
+    b.prefetch("x", cx, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)
+    b.tier.answer_lookups()
+    (x_read,) = b.tier.reads  # the shared prefix and x's own 2 blocks, one read (~41 ms)
+    b.prefetch("z", cz, policy="cost_aware", prefill_s_per_block=0.01, eta_s=1.0)  # another prompt: ~106 ms
+    b.tier.answer_lookups()
+    assert len(b.tier.reads) == 3
+    # y could start now: reading its 10 blocks behind ~147 ms of lane work saves only 100 ms
+    b.prefetch("y", cy, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    if not awaits:
+        p = terminal(b, "y")
+        assert (p["status"], p["prefix"]) == ("cost", 0)
+    else:
+        assert b.poll("y")["state"] != "terminal" and len(b.tier.reads) == 3  # awaited: no read of its own
+        b.tier.finish(x_read)
+        p = terminal(b, "y")  # the 2 blocks past the prefix would wait behind z: not read
+        assert (p["status"], p["prefix"]) == ("cost", 8)
+        assert b.sm.counters["blocks_deduplicated"] >= 8
+    b.tier.run_all()
+    assert b.tier.blocks_read == 10 + 26  # y read nothing in either case
+    assert b.take("y", cy) == 8 and b.take("x", cx) == 10 and b.take("z", cz) == 26  # (the GET: what is resident)
+    assert b.books()["leases"] == 0 and b.books()["staging"] == 0 and b.books()["pinned"] == 0
 
 
 def test_executor_cost_aware_slow_l3_demand_withdraws_queued_reads():
