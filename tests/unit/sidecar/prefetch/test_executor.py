@@ -441,6 +441,29 @@ def test_bad_policy_and_unknown_request_are_typed_errors():
     assert b.sm.op_abort(b.conn, {"req": "never"}) == {"state": "unknown"}  # idempotent
 
 
+def test_reads_ahead_is_the_run_another_sessions_reads_stage():
+    """What cost_aware counts as awaited (``PoolManager.reads_ahead``): the chain's positions from
+    a start that sessions' reads stage, up to the first that is not -- resident, free, a store's
+    staging, or a read that ended without it."""
+    b = Bench()
+    c = b.chain("a", 10)
+    b.prefetch("x", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    sid = b.sm.records[("g", "x", 0)].id
+    first, second = b.tier.reads  # window 2: positions 0-3 and 4-7 are staged, 8-9 not yet
+    ahead = b.core.pool.reads_ahead
+    assert ahead(c, 0) == (8, {sid}) and ahead(c, 2) == (6, {sid}) and ahead(c, 8) == (0, set())
+    b.tier.finish(second, ok=[True, False, True, True])  # landed first: waits for the first to publish
+    assert ahead(c, 0) == (5, {sid}) and ahead(c, 5) == (0, set())  # block 5 failed: it will be dropped
+    other = b.chain("s", 3)
+    b.core.op_store(b.conn, {"chain": other})  # an engine store's staging: not a read
+    assert ahead(other, 0) == (0, set())
+    b.tier.finish(first)
+    b.tier.run_all()
+    assert ahead(c, 0) == (0, set())  # resident now (0-4) or never staged again by a read
+    assert terminal(b, "x")["prefix"] == 5
+
+
 def test_shared_block_waiter_sees_the_owners_failure():
     b = Bench()
     c = b.chain("a", 4)
