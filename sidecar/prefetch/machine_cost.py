@@ -8,7 +8,8 @@ arithmetic is :mod:`kvsidecar.sidecar.prefetch.cost`.  Pure, like the machine: n
 
 What the rules own (initialised by :meth:`CostRules._init_cost`): the latest
 :class:`~kvsidecar.sidecar.prefetch.cost.Outlook`, when what is claimed is expected to land
-(``expected_end``) and the read time claimed since the outlook (``queued_s``), the plan's reach
+(``expected_end``) and the read time claimed since the outlook (``queued_s``), which chunks have
+reads of their own (``own_reads``; the others only await another session's read), the plan's reach
 (``plan_end``, ``plan_claimed``: :attr:`Session.planned`), the probe (``probe_chunk``,
 ``probe_deadline``), ``keep_admitted`` after a cost stop and ``hit_cap`` (``fixed_hit``).
 What they use of the session: ``p``, ``now``, ``state``, ``sealed``, ``target``, ``next_pos``,
@@ -139,7 +140,7 @@ class CostRules:
             # what is claimed lands when the lane's work up to it is done, as the lane stands
             # now (its backlog counts this session's pending reads; ``queued_s``: those claimed
             # since) -- not the estimate made at the claim, which is stale once reads land early
-            pending_end = self._claims_land(now + o.backlog_s + self.queued_s, stale=False)
+            pending_end = self._claims_land(now + o.backlog_s + self.queued_s, floor_at_claim=False)
             keep = cost.keep_admitted(o, now, pending_end, self.pending_blocks)
             if keep and self.in_flight:
                 return 0  # what is in flight still pays: decide again when it lands (a later ETA may)
@@ -157,16 +158,16 @@ class CostRules:
         self._commit_claim(n, planned, current_end)
         return n
 
-    def _claims_land(self, lane_end: float, stale: bool = True) -> float:
+    def _claims_land(self, lane_end: float, floor_at_claim: bool = True) -> float:
         """When what this session claimed and is still in flight lands (``now`` when nothing is):
         a read of its own, once the lane has done its work up to it (``lane_end``: the lane's
-        backlog counts this session's own reads, last among equals), and with ``stale`` never
-        before the estimate made when it was claimed; reads it only awaits (another session's),
-        when that estimate said."""
+        backlog counts this session's own reads, last among equals), with ``floor_at_claim``
+        never before the estimate made when it was claimed (``expected_end``); reads it only
+        awaits (another session's: no lane work of its own), when that estimate said."""
         if not self.in_flight:
             return self.now
         if any(c.ok is None and c.id in self.own_reads for c in self.chunks.values()):
-            return max(self.expected_end, lane_end) if stale else lane_end
+            return max(self.expected_end, lane_end) if floor_at_claim else lane_end
         return self.expected_end
 
     def _commit_claim(self, n: int, planned: int, current_end: float) -> None:
