@@ -235,8 +235,10 @@ def test_random_interleavings_keep_the_guarantees(total, resident, chunk, window
     def look(now):  # a random cost outlook (cost_aware only; others get None or ignore it)
         if not cost:
             return None
+        awaited = rng.choice([0, 0, rng.randint(0, total)])  # blocks another session is reading
         return Outlook(now + rng.uniform(-0.5, 2), rng.uniform(0, 0.1), rng.uniform(0, 0.05),
-                       rng.uniform(0, 0.1), rng.uniform(0, 0.5), rng.uniform(0, 0.01), rng.choice([0, 0, 2]))
+                       rng.uniform(0, 0.1), rng.uniform(0, 0.5), rng.uniform(0, 0.01), rng.choice([0, 0, 2]),
+                       awaited_to=awaited, awaited_at=now + rng.uniform(0, 1))
 
     deadline = rng.uniform(0, 3) if policy == Policy.TIMEOUT or (cost and rng.random() < 0.3) else None
     s = mk(policy, total=total, resident=resident, chunk=chunk, window=window,
