@@ -21,6 +21,7 @@ from kvsidecar.sidecar.runtime.clients import ClientInfo
 from kvsidecar.sidecar.config import LimitsConfig, SessionsConfig
 from kvsidecar.sidecar.kv.ops import KVCore
 from kvsidecar.sidecar.kv.index import KEY, unpack_ids
+from kvsidecar.sidecar.l3.cost_model import ReadEstimate
 from kvsidecar.sidecar.l3.interface import QUEUED, read_priority
 from kvsidecar.sidecar.service import OpError
 from kvsidecar.sidecar.prefetch.sessions import SessionManager
@@ -628,6 +629,8 @@ def test_random_schedules_keep_the_invariants(seed):
     shared = chains[0][:4 * KEY]
     chains.append(shared + b"".join(f"s:{i}".encode().ljust(KEY, b".") for i in range(4)))
     b.holds.update(chains[3][i * KEY:(i + 1) * KEY] for i in range(8))
+    # cost_aware's L3 input: measured or the prior, restoring cheaper or dearer than its prefill
+    b.tier.estimate = ReadEstimate(0.002, rng.choice([0.001, 0.02]), rng.choice([0, 5]))
     reqs = {}
     left = set()  # requests aborted (their result, if any, is released: no longer pinned)
     for step in range(120):
@@ -635,8 +638,12 @@ def test_random_schedules_keep_the_invariants(seed):
         if r < 0.2 and len(reqs) < 6:
             req = f"r{step}"
             chain = rng.choice(chains)
-            policy = rng.choice(["timeout", "best_effort", "wait_complete"])
-            b.prefetch(req, chain, policy=policy, budget_s=rng.choice([0.01, 0.1, 5.0]) if policy == "timeout" else None)
+            policy = rng.choice(["timeout", "best_effort", "wait_complete", "cost_aware"])
+            if policy == "cost_aware":  # (it awaits what another session reads of a shared chain)
+                b.prefetch(req, chain, policy=policy, prefill_s_per_block=0.01, eta_s=rng.choice([None, 0.0, 0.3]))
+            else:
+                b.prefetch(req, chain, policy=policy,
+                           budget_s=rng.choice([0.01, 0.1, 5.0]) if policy == "timeout" else None)
             reqs[req] = chain
         elif r < 0.35:
             b.tier.answer_lookups()
