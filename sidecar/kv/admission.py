@@ -285,8 +285,8 @@ class PoolManager:
         """``(n, sessions)``: positions ``[start, start + n)`` of ``chain`` are staged by sessions'
         L3 reads (attached plans or orphans) that have not failed them — a claim of them would
         await those reads (SHARED), not read them again — and the ids of the sessions that
-        claimed them.  Stops at the first position that is not (resident, free, a store's or a
-        restore's staging, a read that failed it)."""
+        claimed them.  Stops at the first position that is not so: resident, free, a store's or a
+        restore's staging, or a block whose read ended without it."""
         n, sessions = 0, set()
         for pos in range(start, id_count(chain)):
             plan = self.staged_by.get(chain_key(chain, pos))
