@@ -33,13 +33,18 @@ executor only turns the machine's actions into these calls, L3 jobs and replies:
 Every publish or drop of a staged key goes through here, so the manager wakes the sessions that
 await it without being told by the index.
 
-**A store supersedes a session's read that has not started.**  An engine store of keys a
-session stages for an L3 read still queued in the lane (the engine computed them meanwhile: the
-read is slower than the prefill, or queued behind others) withdraws that read
-(``ChunkPlan.cancel_read``, atomic with the lane starting it) and stages the keys itself; the
-session's positions become awaited ones (SHARED) on the store's blocks, so the session and its
-waiters resolve when the store publishes or drops them.  Without it a store stops at the first
-such key, and when the session later drops its read the computed blocks are in neither.
+**A store supersedes a session's read.**  An engine store of keys a session stages for an L3
+read (the engine computed them meanwhile: the read is slower than the prefill, or queued behind
+others) stages the keys itself; the session's positions become awaited ones (SHARED) on the
+store's blocks, so the session and its waiters resolve when the store publishes or drops them.
+A read still queued in the lane is withdrawn (``ChunkPlan.cancel_read``, atomic with the lane
+starting it).  A read in flight writes on into its blocks: they stay STAGING without a key
+(``unkeyed``: invisible to lookups and claims, counted against the reserved limit) and are freed,
+never published, when it ends (:meth:`end_superseded_read`).  Without it a store stops at the
+first such key: the engine's freshly computed prefix is stored nowhere, and a request behind it
+waits for the slower read of what the engine just computed (or recomputes it).  A store takes
+over a read only when it stages every key of it (it covers them, and the reserved limit and the
+allocator leave room for the whole run).
 
 The limits, computed only here (``*_limit`` bytes over ``block_bytes``):
 
@@ -102,7 +107,12 @@ class PoolManager:
         self.results: dict[tuple, Lease] = {}  # request -> its session's result (prefetch) lease
         self.handoffs = 0  # results dropped by their request's GET
         self.staged_by: dict[bytes, ChunkPlan] = {}  # key -> the session plan (or orphan) staging it
-        self.superseded_blocks = 0  # session reads withdrawn because a store staged their keys
+        self.superseded_blocks = 0  # blocks of session reads a store took over (it staged their keys)
+        self.superseded_in_flight = 0  # ... of them, blocks of reads in flight (keyless until they end)
+        # (session, chunk) -> blocks a superseded read in flight still writes into: STAGING, keyless,
+        # freed when that read ends (end_superseded_read)
+        self.unkeyed: dict[tuple, list] = {}
+        self._unkeyed = 0
         # blocks in sessions' plans and orphans (pinned once published): changed only where such a
         # block enters STAGING (claim) or leaves it (_own_published, _own_freed); check() recounts
         self._session_staged = 0
@@ -141,7 +151,7 @@ class PoolManager:
         superseded: list[bytes] = []
         while stop < end:
             key = chain_key(chain, stop)
-            if key in idx.staging and not (purpose == "store" and self._supersede(key, chain, end, superseded)):
+            if key in idx.staging and not (purpose == "store" and self._supersede(key, chain, start, end, superseded)):
                 break  # blocks being staged by another writer are not written twice: stop there
             stop += 1
         want = stop - start
@@ -180,11 +190,13 @@ class PoolManager:
             idx.stage(chain_key(plan.chain, i), b)
         return plan
 
-    def _supersede(self, key: bytes, chain: bytes, end: int, superseded: list) -> bool:
-        """A store reaching ``key``, staged by a session's (or an orphan's) read: withdraw that
-        read if it has not started and every key it stages lies in ``chain``'s run to ``end`` (the
-        store stages them all); its positions then await the store's blocks.  True when ``key``
-        is free for the store; the read's keys are appended to ``superseded``."""
+    def _supersede(self, key: bytes, chain: bytes, start: int, end: int, superseded: list) -> bool:
+        """A store of ``chain`` from ``start`` reaching ``key``, staged by a session's (or an
+        orphan's) read: take that read over when the store stages every key it stages — they lie
+        in ``chain``'s run to ``end`` and, for a read in flight (whose blocks stay STAGING), the
+        reserved limit and the allocator leave room for the run up to its last key.  Its
+        positions then await the store's blocks.  True when ``key`` is free for the store; the
+        read's keys are appended to ``superseded``."""
         plan = self.staged_by.get(key)
         if plan is None or plan.read_ok is not None or plan.cancel_read is None:
             return False  # a store's or a restore's staging, or a read that already ended
@@ -192,14 +204,24 @@ class PoolManager:
         keys = {pos: chain_key(hold.chain, pos) for pos in plan.own_blocks}
         if not all(pos < end and chain_key(chain, pos) == k for pos, k in keys.items()):
             return False  # the store would not stage all of them: the read goes on
-        if not plan.cancel_read():
-            return False  # it started: its data is on the way
-        for pos, b in plan.own_blocks.items():
-            k = keys[pos]
+        idx = self.index
+        if not plan.cancel_read():  # it started: its data is on the way into blocks we keep
+            run = max(keys) + 1 - start
+            if run > self.headroom()[0] or run > idx.free + idx.native.lru_len:
+                return False  # the store could not stage them all: the read goes on
+            blocks = list(plan.own_blocks.values())
+            for k in keys.values():
+                del idx.staging[k]  # keyless: the read writes on, nobody finds the block
+            self.unkeyed[(hold.id, plan.chunk)] = blocks
+            self._unkeyed += len(blocks)
+            self.superseded_in_flight += len(blocks)
+        else:
+            for pos, b in plan.own_blocks.items():
+                idx.drop_staging(keys[pos], b)  # FREE again; the key's waiters stay for the store
+        for k in keys.values():
             del self.staged_by[k]
-            self._session_staged -= 1
-            self.index.drop_staging(k, b)  # FREE again; the key's waiters stay for the store
             superseded.append(k)
+        self._session_staged -= len(keys)
         orphan = self.orphans.pop((hold.id, plan.chunk), None)
         if orphan is None and plan.attached:
             kinds = list(plan.kinds)
@@ -211,6 +233,18 @@ class PoolManager:
         plan.own_blocks.clear()
         plan.read_ok = {}  # no read of ours any more
         return True
+
+    def end_superseded_read(self, key: tuple) -> int | None:
+        """The read of ``key`` ((session, chunk)) ended after a store took it over: its keyless
+        blocks go back to FREE (never published).  Returns how many, or None when ``key`` names
+        no such read."""
+        blocks = self.unkeyed.pop(key, None)
+        if blocks is None:
+            return None
+        for b in blocks:
+            self.index.release_staging(b)
+        self._unkeyed -= len(blocks)
+        return len(blocks)
 
     def complete(self, plan: StagePlan, ok) -> int:
         """The plan's data landed where ``ok`` says: publish the leading landed blocks in chain
@@ -532,7 +566,11 @@ class PoolManager:
         return collections.Counter(b for hold in self.holds.values() for b in hold.pins.values())
 
     def staged_blocks(self) -> int:
-        return self._session_staged
+        return self._session_staged + self._unkeyed
+
+    def unkeyed_blocks(self) -> int:
+        """STAGING blocks without a key: superseded reads still in flight."""
+        return self._unkeyed
 
     def check(self) -> str:
         counted = sum(len(p.own_blocks) for hold in self.holds.values() for p in hold.plans.values())
@@ -541,4 +579,7 @@ class PoolManager:
             return f"sessions' plans stage {counted} blocks, the manager counts {self._session_staged}"
         if len(self.staged_by) != counted:
             return f"sessions' plans stage {counted} blocks, {len(self.staged_by)} keys are mapped to them"
+        unkeyed = sum(len(v) for v in self.unkeyed.values())
+        if unkeyed != self._unkeyed:
+            return f"superseded reads write into {unkeyed} blocks, the manager counts {self._unkeyed}"
         return ""

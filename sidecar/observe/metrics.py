@@ -297,6 +297,10 @@ METRICS: tuple[Metric, ...] = (
        lambda s, m: _sess(s, "blocks_deduplicated")),
     _c("kvsidecar_reads_handed_over", "Queued reads a stopped session handed to waiters",
        lambda s, m: _sess(s, "reads_handed_over")),
+    _c("kvsidecar_blocks_superseded", "Blocks of session reads an engine store took over (read: queued, withdrawn; "
+       "in_flight, its blocks freed when it ends)",
+       lambda s, m: {"queued": _sess(s, "blocks_superseded") - _sess(s, "blocks_superseded_in_flight"),
+                     "in_flight": _sess(s, "blocks_superseded_in_flight")}, ["read"]),
     _c("kvsidecar_chunks_abandoned", "Reads left behind when the drain budget ran out",
        lambda s, m: _sess(s, "chunks_abandoned")),
     _c("kvsidecar_orphan_blocks", "Blocks of abandoned reads, resolved when the read ended",

@@ -129,6 +129,10 @@ class SessionExecutor:
                 if n:
                     self.counters[f"orphan_blocks_{outcome}"] += n
             return
+        freed = self.pool.end_superseded_read((sid, chunk))
+        if freed is not None:  # a store took its keys over in flight: its plan awaits the store
+            self.counters["superseded_blocks_freed"] += freed
+            return
         rec = self._session_of(sid)
         io = rec.chunks.get(chunk) if rec else None
         if io is None:

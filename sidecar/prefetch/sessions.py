@@ -461,5 +461,7 @@ class SessionManager(Service):
 
         return SessionsSnapshot(rows=session_rows(self.records.values(), self.clock()),
                                 started={p: self.counters.get(f"started_{p.value}", 0) for p in Policy},
-                                counters=dict(self.counters), orphans=len(self.pool.orphans),
+                                counters={**self.counters, "blocks_superseded": self.pool.superseded_blocks,
+                                          "blocks_superseded_in_flight": self.pool.superseded_in_flight},
+                                orphans=len(self.pool.orphans),
                                 outstanding_staging=self.pool.staged_blocks())

@@ -239,6 +239,36 @@ def test_a_poll_scan_is_the_schedulers_scan_in_one_round_trip(sidecar_factory, i
         assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
 
 
+def test_an_engine_store_takes_over_a_read_in_flight(sidecar_factory, instance, tmp_path, kv, l3_filled, read_gate):
+    """The engine computed the prefix a session is reading from L3 (its read held in flight at
+    the gate): the engine's store stages every key all the same, the session completes on the
+    store's blocks once it commits -- without waiting for the read -- and the read, when it
+    lands, writes into blocks that were never published and are freed then.  The bytes a GET
+    hands over are the store's (different from L3's here: any block of the read would show),
+    and nothing is left over."""
+    sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 20.0}, **read_gate.overrides()))
+    computed = small_kv(N, seed=1)
+    with KVConnector(instance, LAY) as c:
+        c.prefetch(l3_filled, "a", policy="timeout", budget_s=30.0, chunk_max_blocks=4)
+        wait_read_held(c)  # a chunk's read is in flight
+        st = c.store(l3_filled)
+        assert (st.start, st.count) == (0, N)
+        c.save(st, computed, list(range(N)))
+        c.commit(st)
+        p = wait_terminal(c, "a")
+        assert (p["status"], p["prefix"]) == ("complete", N), p
+        s = books(c)
+        assert s["sessions"]["blocks_superseded_in_flight"] >= 4 and s["pool"]["staging"] > 0  # the held read's
+        assert get_and_check(c, l3_filled, "a", computed) == N
+        read_gate.open()
+        s = wait_until(lambda: books(c), 10, "the superseded read landed and its blocks were freed",
+                       until=lambda s: s["pool"]["staging"] == 0)
+        assert s["sessions"]["superseded_blocks_freed"] == s["sessions"]["blocks_superseded_in_flight"]
+        assert get_and_check(c, l3_filled, "after", computed) == N
+        s = books(c)
+        assert s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0 and s["sessions"]["outstanding_staging"] == 0
+
+
 def test_abort_mid_flight_leaves_nothing_behind(sidecar_factory, instance, tmp_path, kv, l3_filled, read_gate):
     sidecar_factory(**overrides(tmp_path, **{"l3.latency_ms": 30.0}, **read_gate.overrides()))
     with KVConnector(instance, LAY) as c:

@@ -138,7 +138,9 @@ def test_cost_aware_weighs_a_prefill_by_the_requests_queued_behind():
     stream) requests queue behind each candidate, and every block a candidate computes holds
     each of them up: with ``queue_aware`` (the scan tells each session how many it would hold
     up) candidates restore on the L3 lane beside the engine: more is read from L3, the mean
-    TTFT drops by a third and the p90 does not rise.  Data and books exact either way."""
+    TTFT drops by over a quarter (57 against 82 ms: a store taking over reads in flight made the
+    queue-blind arm better too, from 103) and the p90 does not rise.  Data and books exact
+    either way."""
     from scripts import simulate, ttft_bounds
     from scripts.common import percentile
 
@@ -161,7 +163,7 @@ def test_cost_aware_weighs_a_prefill_by_the_requests_queued_behind():
     l3 = {aware: sum(x["hit_l3"] for x in got["load", aware]) for aware in (False, True)}
     ttfts = {aware: [x["ttft_s"] for x in got["load", aware]] for aware in (False, True)}
     assert l3[True] > l3[False], l3
-    assert statistics.fmean(ttfts[True]) < 0.67 * statistics.fmean(ttfts[False])
+    assert statistics.fmean(ttfts[True]) < 0.75 * statistics.fmean(ttfts[False])
     assert percentile(ttfts[True], 0.9) <= percentile(ttfts[False], 0.9)
 
 

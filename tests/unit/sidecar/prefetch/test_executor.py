@@ -576,29 +576,91 @@ def test_a_store_supersedes_a_queued_session_read_and_its_waiters_follow():
     assert not b.core.pool.waiters and not b.core.pool.staged_by
 
 
-def test_a_store_does_not_supersede_a_read_in_flight_or_one_it_would_not_cover():
+@pytest.mark.parametrize("read_ends", ["before_commit", "after_commit", "failed"])
+def test_a_store_takes_over_a_read_in_flight_whose_blocks_stay_keyless_until_it_ends(read_ends):
+    """x's first read is in flight, its second queued, y awaits both; the engine computed the
+    chain meanwhile.  Its store stages every key: the queued read is withdrawn, the one in flight
+    writes on into blocks that stay STAGING without a key (nobody finds or reuses them) and are
+    freed, never published, when it ends -- however it ends, before or after the store commits.
+    x and y complete on the store's blocks when it commits, without waiting for that read."""
     b = Bench(window=2)
+    c = b.chain("a", 8)
+    b.prefetch("x", c, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    y = Conn(group="h", slot=1)
+    b.loop.clients[1] = y
+    b.prefetch("y", c, conn=y, policy="timeout", budget_s=30.0)
+    b.tier.answer_lookups()
+    first, second = b.tier.reads
+    b.tier.start(first)
+    in_flight = set(unpack_ids(first.blocks))
+    st = _store(b, c)
+    assert (st["start"], st["count"]) == (0, 8)
+    assert first.state == "started" and second.state == "cancelled"
+    assert b.core.pool.superseded_blocks == 8 and b.core.pool.superseded_in_flight == 4
+    stored = set(unpack_ids(st["blocks"]))
+    assert not stored & in_flight  # the store writes into blocks of its own
+    s = b.books()  # the keyless blocks are accounted for (staging: the store's 8 and the read's 4)
+    assert s["staging"] == 12 and len(b.core.index.staging) == 8
+    if read_ends == "before_commit":
+        b.tier.finish(first)
+        b.loop.settle()
+        assert b.books()["staging"] == 8 and b.poll("x")["state"] != "terminal"  # it awaits the store
+    b.core.op_commit(b.conn, {"staging": st["staging"]})
+    b.loop.settle()
+    px, py = terminal(b, "x"), b.poll("y", conn=y)
+    assert (px["status"], px["prefix"]) == ("complete", 8)
+    assert (py["state"], py["status"], py["prefix"]) == ("terminal", "complete", 8)
+    resident = set(unpack_ids(b.core.index.resident_ids(c, 8)))
+    assert not resident & in_flight  # what is published is the store's, never the read's blocks
+    if read_ends != "before_commit":
+        assert b.books()["staging"] == 4  # still written into by the read
+        b.tier.finish(first, ok=[read_ends == "after_commit"] * 4)
+        b.loop.settle()
+    assert b.sm.counters["superseded_blocks_freed"] == 4
+    assert b.core.index.match(c) == 8
+    assert b.take("x", c) == 8
+    b.sm.op_abort(y, {"req": "y"})
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0 and s["orphans"] == 0
+    assert not b.core.pool.waiters and not b.core.pool.staged_by and not b.core.pool.unkeyed
+    assert s["free"] + s["resident"] == b.core.index.num_blocks
+
+
+def test_a_store_takes_over_only_a_read_it_stages_whole():
+    """A store that would stage only part of a read's keys -- its chain stops inside the read,
+    or the reserved limit leaves no room for the run to the read's end while the read in flight
+    keeps its blocks -- stops at the read's first key, and the read goes on."""
+    b = Bench(window=2, reserved=12)
     c = b.chain("a", 8)
     b.prefetch("x", c, policy="timeout", budget_s=30.0)
     b.tier.answer_lookups()
     first, second = b.tier.reads
     b.tier.start(first)
-    st = _store(b, c)
-    assert st["count"] == 0  # its first key is being read: the store stops there, as before
-    assert second.state == "queued" and b.core.pool.superseded_blocks == 0
+    st = _store(b, c[:2 * KEY])  # covers only half of the first read's keys
+    assert (st["start"], st["count"]) == (0, 0) and first.state == "started" and second.state == "queued"
+    st = _store(b, c[:6 * KEY])  # covers the first read, half of the second: takes over the first
+    assert (st["start"], st["count"]) == (0, 4) and second.state == "queued"
+    b.core.op_commit(b.conn, {"staging": st["staging"]})
     b.tier.finish(first)
     b.loop.settle()
-    st = _store(b, c[:6 * KEY])  # covers only half of the second read's keys
-    assert st["count"] == 0 and second.state == "queued"
-    st = _store(b, c)  # covers all of them: superseded
-    assert (st["start"], st["count"]) == (4, 4) and second.state == "cancelled"
+    b.tier.start(second)  # x's second read in flight now; 4 blocks staged by it
+    other = b.chain("o", 5, in_l3=False)
+    st_o = _store(b, other)  # 9 of 12 reserved: 3 left, the run to the read's end needs 4
+    assert st_o["count"] == 5
+    st = _store(b, c)
+    assert (st["start"], st["count"]) == (4, 0) and second.state == "started"
+    assert b.core.pool.superseded_in_flight == 4  # the first read's, not this one
+    b.core.op_commit(b.conn, {"staging": st_o["staging"]})
+    st = _store(b, c)  # room now: taken over
+    assert (st["start"], st["count"]) == (4, 4) and b.core.pool.superseded_in_flight == 8
     b.core.op_commit(b.conn, {"staging": st["staging"]})
+    b.tier.finish(second)
     b.loop.settle()
     assert (terminal(b, "x")["status"], terminal(b, "x")["prefix"]) == ("complete", 8)
-    assert b.tier.blocks_read == 4
-    assert b.take("x", c) == 8
+    assert b.sm.counters["superseded_blocks_freed"] == 8 and b.take("x", c) == 8
     s = b.books()
-    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0 and not b.core.pool.unkeyed
 
 
 def test_a_superseding_store_that_fails_fails_the_waiters_not_the_books():
@@ -633,9 +695,23 @@ def test_random_schedules_keep_the_invariants(seed):
     b.tier.estimate = ReadEstimate(0.002, rng.choice([0.001, 0.02]), rng.choice([0, 5]))
     reqs = {}
     left = set()  # requests aborted (their result, if any, is released: no longer pinned)
+    stores = []  # the engine's open stores (they may take over sessions' reads, queued or in flight)
     for step in range(120):
         r = rng.random()
-        if r < 0.2 and len(reqs) < 6:
+        if r < 0.1:
+            if stores and rng.random() < 0.75:  # one ends: committed, or failed
+                b.core.op_commit(b.conn, {"staging": stores.pop(rng.randrange(len(stores))), "ok": rng.random() < 0.8})
+            else:  # (mostly a chain sessions read: the engine computed what they restore)
+                chain = rng.choice(list(reqs.values()) if reqs and rng.random() < 0.8 else chains)
+                n = len(chain) // KEY if rng.random() < 0.6 else rng.randint(1, len(chain) // KEY)
+                try:
+                    st = b.core.op_store(b.conn, {"chain": chain[:n * KEY]})
+                except OpError as exc:  # no room to stage: a typed refusal, the engine keeps its KV
+                    assert exc.code == ErrorCode.LIMIT
+                else:
+                    if st["count"]:
+                        stores.append(st["staging"])
+        elif r < 0.2 and len(reqs) < 6:
             req = f"r{step}"
             chain = rng.choice(chains)
             policy = rng.choice(["timeout", "best_effort", "wait_complete", "cost_aware"])
@@ -649,7 +725,7 @@ def test_random_schedules_keep_the_invariants(seed):
             b.tier.answer_lookups()
         elif r < 0.6 and b.tier.reads:
             rd = rng.choice(b.tier.reads)
-            if rng.random() < 0.3 and rd.state == "queued":
+            if rng.random() < 0.5 and rd.state == "queued":
                 b.tier.start(rd)
             else:
                 n = len(rd.keys) // KEY
@@ -678,8 +754,10 @@ def test_random_schedules_keep_the_invariants(seed):
             p = b.poll(req)
             if p["state"] == "terminal" and p["prefix"] and req not in left:
                 assert b.core.index.match(chain) >= p["prefix"]  # the result is resident (pinned)
-    # drain everything: answer, finish, abort, expire
+    # drain everything: answer, commit, finish, abort, expire
     b.tier.answer_lookups()
+    for staging in stores:
+        b.core.op_commit(b.conn, {"staging": staging})
     for req in list(reqs):
         b.sm.op_abort(b.conn, {"req": req})
     b.loop.settle()
