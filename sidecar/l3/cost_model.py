@@ -27,7 +27,12 @@ looked dearer than its prefill, none was read, and nothing corrected the estimat
 Two reads in a row more than ``CHANGE`` off their prediction the same way mark a change of
 regime: the long memory restarts from those two reads (otherwise, with reads of mixed sizes, it
 fits one line through both regimes and a bandwidth change shows up as latency).  One such read
-alone counts, until the next says which it was, as only ``CHANGE`` off its prediction.
+alone does not enter the fit until the next says which it was: a regime (it enters with it) or
+noise (it never does).  (Counted as ``CHANGE`` off its prediction, one 2-block tail slowed to
+7.3 ms by a busy CPU, among tails of 3.4 ms, raised the per-block cost 44 %; with the error
+margin every tail after it looked dearer than its prefill and was recomputed, and since nothing
+was read no read came to say it was noise: nine requests in a row, each ~1.4 ms later than
+reading, real table r0.3-idle-tp2.)  It counts in ``error`` at once: it was a miss.
 Also tracks how good it is: the weighted mean of ``|predicted - measured| / measured``
 over the reads it predicted once it had evidence (``error``; the prior's guess is not counted).  One instance per tier (per backend); control thread only.
 """
@@ -101,7 +106,6 @@ class ReadCostModel:
         if blocks <= 0 or not seconds >= 0 or seconds == float("inf"):
             return
         changed = False
-        used = seconds  # what the fit takes of this read (a lone surprise: clipped, see below)
         if seconds > 0 and self.samples:  # predictions made with evidence (the prior's is not one)
             predicted = self._latency + blocks * self._per_block
             if self.samples >= 2:
@@ -118,11 +122,13 @@ class ReadCostModel:
             elif self._surprise is not None and (self._surprise[2] > 0) == (surprise > 0):
                 changed = True  # two reads in a row off the same way: the tier changed
             else:
-                self._surprise = (blocks, seconds, surprise)  # one may be noise: wait for the next
-                # and until the next says which, it counts as no further off than CHANGE: one
-                # read slowed by a busy CPU must not move the estimate as much as a new regime
-                used = predicted * (1.0 + CHANGE if surprise > 0 else 1.0 - CHANGE)
-        reads = [(blocks, used)]
+                # one may be noise: it waits for the next read, out of the fit (a read slowed
+                # by a busy CPU must not move the estimate: if it made reading look dear, no
+                # read would come to correct it)
+                self._surprise = (blocks, seconds, surprise)
+                self.samples += 1
+                return
+        reads = [(blocks, seconds)]
         if changed:
             # the long memory would fit a line through both regimes (a bandwidth change then
             # shows up as latency): start it again from the two reads of the new one
@@ -133,7 +139,7 @@ class ReadCostModel:
             self._accumulate(prev_blocks, prev_seconds)
             reads.insert(0, (prev_blocks, prev_seconds))
             self._pb_time = self._pb_blocks = 0.0  # (a new regime: the old per-block cost is no guide)
-        self._accumulate(blocks, used)
+        self._accumulate(blocks, seconds)
         self.samples += 1
         self._latency = self._fit_latency()
         a = self.forget  # per block: each read weighs by its blocks (see the module docstring)

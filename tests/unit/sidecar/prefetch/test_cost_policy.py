@@ -544,9 +544,9 @@ def test_estimator_follows_a_bandwidth_drop_with_reads_of_mixed_sizes():
 
 def test_estimator_one_slow_read_is_noise_not_a_new_regime(monkeypatch):
     """One read 3x slow between normal ones is not a change of regime, and until the next read
-    says so it counts as no slower than ``CHANGE`` over its prediction: the estimate moves less
-    than without change detection (where it enters whole) and is back within 10 % of the truth
-    after two normal reads; the same read twice in a row is a new regime, fitted from both."""
+    says so it stays out of the fit: the estimate does not move (without change detection it
+    enters whole) and stays within 10 % of the truth after normal reads; the same read twice in
+    a row is a new regime, fitted from both."""
     from kvsidecar.sidecar.l3 import cost_model
 
     def run(reads):
@@ -561,12 +561,51 @@ def test_estimator_one_slow_read_is_noise_not_a_new_regime(monkeypatch):
     hiccup, after = [(32, 3)], [(32, 3), (8, 1), (32, 1)]
     twice = [(32, 3), (8, 3)]
     clipped, recovered, regime = run(hiccup), run(after), run(twice)
-    assert clipped.seconds(32) <= (1 + cost_model.CHANGE) * truth * 1.01
+    assert clipped.seconds(32) == pytest.approx(truth, rel=0.02)
     assert recovered.seconds(32) == pytest.approx(truth, rel=0.1)
     assert regime.seconds(8) == pytest.approx(3 * (0.002 + 8 * 0.001), rel=0.15)  # the new regime
     monkeypatch.setattr(cost_model, "CHANGE", float("inf"))
     assert run(hiccup).seconds(32) > clipped.seconds(32)  # without detection the hiccup enters whole
     assert run(twice).seconds(8) < regime.seconds(8)  # and a new regime is learnt slower
+
+
+def test_estimator_one_slow_tail_does_not_make_the_next_tails_look_dear():
+    """The reads of table33's r0.3-idle-tp2 cost_aware arm (3 of its 34-block prefixes, then
+    2-block tails of ~3.4 ms), up to the tail that took 7.3 ms (the CPU busy).  Counted as
+    ``CHANGE`` over its prediction it raised the per-block cost 44 %; with the error margin
+    (``pessimistic``) the next 2-block tail at an idle engine no longer paid beside the query
+    (prefill 3.2 ms a block, query 2.1 ms) and the next nine requests recomputed it, no read
+    coming to correct the estimate.  Held out of the fit, the estimate does not move, the next
+    tail is read, and when it takes what tails take the slow one is dropped as noise."""
+    from kvsidecar.sidecar.prefetch.cost import Outlook, worth_querying
+    from kvsidecar.sidecar.prefetch.estimates import pessimistic
+
+    class Tier:
+        read_cost_error = 0.0
+
+    m = ReadCostModel(0.005, 0.003)
+    reads = [(34, .03678), (34, .03627), (34, .03614), (34, .03661), (2, .00346), (2, .00336), (34, .03858)]
+    reads += [(2, s) for s in (.00341, .00333, .00337, .00362)] + [(34, .03865)]
+    reads += [(2, s) for s in (.00493, .00348, .00335, .00354, .00357, .00359, .00340, .00376, .00336, .00366,
+                               .00446, .00333, .00333, .00360, .00356, .00365, .00400, .00389, .00348, .00349,
+                               .00333)]
+    for k, sec in reads:
+        m.observe(k, sec)
+    before = m.estimate()
+
+    def tail_pays(est, err) -> bool:
+        Tier.read_cost_error = err
+        o = Outlook(10.0, 0.0032, est.latency_s, pessimistic(est.s_per_block, Tier), 0.0, 0.0, 0, 0.0021)
+        return worth_querying(o, 10.0, 2, 32, read_with_query=o.restore_clearly_pays)
+
+    assert tail_pays(before, m.error)
+    m.observe(2, .00726)  # the slow one
+    after = m.estimate()
+    assert after.latency_s == before.latency_s and after.s_per_block == before.s_per_block
+    assert m.error > 0.2  # a miss all the same: the margin widens
+    assert tail_pays(after, m.error)  # but the next tail is still read
+    m.observe(2, .00341)  # and takes what tails take: the slow one was noise
+    assert m.estimate().seconds(2) == pytest.approx(0.0034, rel=0.1)
 
 
 def test_estimator_ignores_empty_and_negative_reads():
