@@ -111,6 +111,11 @@ class HeldTier(FakeTier):
         self.loop = loop
         self.lookups: list = []
         self.estimate = ReadEstimate(0.005, 0.001, 0)  # cost_aware's L3 input (the test sets it)
+        self.error = 0.0  # the estimate's measured prediction error (the test sets it)
+
+    @property
+    def read_cost_error(self) -> float:
+        return self.error
 
     def lookup(self, ns, chain, done):
         self.lookups.append((chain, done))

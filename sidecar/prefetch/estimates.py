@@ -14,10 +14,16 @@ from kvsidecar.sidecar.prefetch.events import Policy
 from kvsidecar.sidecar.prefetch.records import Record
 
 
-def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tuple = (0, 0.0)) -> Outlook | None:
+STALE_AFTER = 3  # cost_aware sessions in a row that read nothing: the next plans without the error margin
+
+
+def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tuple = (0, 0.0),
+            stale: bool = False) -> Outlook | None:
     """cost_aware's inputs now: the engine's ETA and prefill cost, this L3's read cost and
     the read-lane backlog ahead of the session's next chunk (None for other policies);
-    ``awaited``: ``(awaited_to, awaited_at)`` of :func:`awaited_reads`."""
+    ``awaited``: ``(awaited_to, awaited_at)`` of :func:`awaited_reads`.  ``stale``: the last
+    ``STALE_AFTER`` cost_aware sessions read nothing and no read has ended since — the estimate
+    is planned on as it is, without :func:`pessimistic`'s margin (see there)."""
     if rec.policy != Policy.COST_AWARE.value:
         return None
     eta = now if rec.eta is None else rec.eta
@@ -26,7 +32,7 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tup
     look = tier.read_outlook(read_priority(rec.demanded, rec.id))
     est = look.estimate
     probe = cfg.probe_blocks if not est.measured and look.backlog_s == 0 else 0
-    s_per_block = pessimistic(est.s_per_block, tier)
+    s_per_block = est.s_per_block if stale else pessimistic(est.s_per_block, tier)
     backlog = look.backlog_s
     if s_per_block >= block_saving(rec.prefill_s_per_block, cfg.load_s_per_block, rec.waiting) and not rec.demanded:
         # restoring does not pay per block: a read is worth it only if it lands before the
@@ -72,7 +78,16 @@ def pessimistic(s_per_block: float, tier: SessionTier) -> float:
     the same, a noisy estimate would flip the decision read by read, and a read that runs slow
     costs TTFT while one that runs fast saves little: the margin makes cost_aware restore at an
     idle engine only when it pays clearly (restores hidden behind the queue are unaffected:
-    they land before the prefill could start either way)."""
+    they land before the prefill could start either way).
+
+    The margin widens with every miss and narrows only with reads, so where it decides against
+    reading it can keep every read away that would narrow it: after one 2-block tail slowed to
+    5.3 ms by a busy CPU (tails take 3.4 ms) it made each next tail look dearer than its prefill
+    at an idle engine, and 13 requests in a row recomputed theirs (real table, r0.3-idle-tp4).
+    So once ``STALE_AFTER`` cost_aware sessions in a row read nothing (``outlook``'s ``stale``),
+    the next plans on the estimate alone: near break-even it reads, and that read corrects the
+    estimate or confirms it (at most one such read in every ``STALE_AFTER + 1`` requests, each
+    costing no more than the margin it ignored)."""
     err = tier.read_cost_error
     return s_per_block * (1.0 + min(1.0, max(0.0, err)))
 

@@ -35,7 +35,7 @@ from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.estimates import awaited_reads, drain_budget, outlook
+from kvsidecar.sidecar.prefetch.estimates import STALE_AFTER, awaited_reads, drain_budget, outlook
 from kvsidecar.sidecar.prefetch.executor import SessionExecutor
 from kvsidecar.sidecar.prefetch.records import Record
 from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
@@ -70,6 +70,7 @@ class SessionManager(Service):
                                         finished=self._finish, session_of=self.by_id.get,
                                         read_ended=self.evidence_landed)
         self._awaiting_evidence: set[int] = set()  # cost_aware sessions open for an L3 measurement
+        self._unread = 0  # cost_aware sessions in a row that ended reading nothing, since an L3 read ended
 
     @property
     def counters(self) -> collections.Counter:
@@ -311,7 +312,8 @@ class SessionManager(Service):
             return outlook(rec, now, self.tier, self.cfg)
         pos = (rec.machine.next_pos if rec.machine is not None else 0) if start is None else start
         return outlook(rec, now, self.tier, self.cfg,
-                       awaited=awaited_reads(rec.chain, pos, now, self.pool, self.tier, self.by_id.get))
+                       awaited=awaited_reads(rec.chain, pos, now, self.pool, self.tier, self.by_id.get),
+                       stale=self._unread >= STALE_AFTER)
 
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
@@ -374,6 +376,7 @@ class SessionManager(Service):
         """An L3 read ended (a session's, a detached probe's, the tier's calibration at start):
         once the estimate is measured, the sessions that were waiting for it re-plan (oldest
         first: the read lane's order).  Control thread."""
+        self._unread = 0  # the estimate has new evidence (stale: see estimates.pessimistic)
         if not self._awaiting_evidence or self.tier is None or not self.tier.read_outlook().estimate.measured:
             return
         now = self.clock()
@@ -409,6 +412,10 @@ class SessionManager(Service):
             self.core.arm_reaper(lease.deadline)
         self._counters[f"terminal_{a.status.value}"] += 1
         self._counters["restored_blocks"] += rec.restored
+        if rec.policy == Policy.COST_AWARE.value and a.status == Status.COST and not rec.chunk_times:
+            self._unread += 1  # it decided on the estimate and read nothing: no evidence came of it
+            if self._unread == STALE_AFTER:
+                self._counters["cost_estimate_stale"] += 1
         self.host.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
         self.observer.session_ended(self._outcome(rec, a, now))
 

@@ -629,6 +629,40 @@ def test_executor_cost_aware_fast_l3_completes():
     assert b.take("r", c) == 12 and b.books()["leases"] == 0
 
 
+def test_executor_cost_aware_does_not_starve_its_estimate_behind_the_error_margin():
+    """Idle engine, 32 blocks resident and a 2-block tail in L3 per request; the estimate says a
+    tail's read (query 2.1 ms, then 1.6 ms + 2 x 1.2 ms) lands before its prefill (2 x 3.2 ms)
+    would end, but its error margin (0.5: 1.8 ms a block) says not.  Three requests in a row
+    recompute their tail and nothing is read that could narrow the margin: the fourth plans on
+    the estimate alone and reads (one read, 2 blocks, prefix 34); the read resets the count, so
+    the next three recompute again.  Books balanced throughout."""
+    b = Bench(blocks=512, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.0016, 0.0012, 10)
+    b.tier.error = 0.5
+    b.tier.query_s = 0.0021
+    outcomes = []
+    for i in range(8):
+        c = b.chain(f"p{i}", 34)
+        b.resident(c, 32)
+        b.prefetch(f"r{i}", c, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0)
+        b.tier.answer_lookups()
+        b.tier.run_all()
+        p = terminal(b, f"r{i}")
+        outcomes.append((p["status"], p["prefix"]))
+        assert b.take(f"r{i}", c) == p["prefix"]
+    assert outcomes == [("cost", 32)] * 3 + [("complete", 34)] + [("cost", 32)] * 3 + [("complete", 34)]
+    assert b.tier.blocks_read == 4 and b.sm.counters["cost_estimate_stale"] == 2
+    b.tier.error = 0.0  # (with no margin every tail is read)
+    c = b.chain("q", 34)
+    b.resident(c, 32)
+    b.prefetch("q", c, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0)
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    assert terminal(b, "q")["prefix"] == 34 and b.take("q", c) == 34
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+
+
 @pytest.mark.parametrize("awaits", [True, False])
 def test_executor_cost_aware_awaits_the_blocks_another_session_reads(awaits, monkeypatch):
     """A request arriving while an earlier one reads their shared prefix from L3 awaits that read
