@@ -635,7 +635,9 @@ def test_executor_cost_aware_does_not_starve_its_estimate_behind_the_error_margi
     would end, but its error margin (0.5: 1.8 ms a block) says not.  Three requests in a row
     recompute their tail and nothing is read that could narrow the margin: the fourth plans on
     the estimate alone and reads (one read, 2 blocks, prefix 34); the read resets the count, so
-    the next three recompute again.  Books balanced throughout."""
+    the next three recompute again.  A request wholly resident between them ends `complete`
+    (nothing to read, no decision on the estimate) and does not count.  Books balanced
+    throughout."""
     b = Bench(blocks=512, chunk_max_blocks=4)
     b.tier.estimate = ReadEstimate(0.0016, 0.0012, 10)
     b.tier.error = 0.5
@@ -644,6 +646,12 @@ def test_executor_cost_aware_does_not_starve_its_estimate_behind_the_error_margi
     for i in range(8):
         c = b.chain(f"p{i}", 34)
         b.resident(c, 32)
+        if i == 1:  # a pool hit of all it asks for, between them
+            full = b.chain("full", 8)
+            b.resident(full, 8)
+            b.prefetch("full", full, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0)
+            f = terminal(b, "full")
+            assert (f["status"], f["prefix"]) == ("complete", 8) and b.take("full", full) == 8
         b.prefetch(f"r{i}", c, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0)
         b.tier.answer_lookups()
         b.tier.run_all()
