@@ -207,7 +207,7 @@ class PoolManager:
         idx = self.index
         if not plan.cancel_read():  # it started: its data is on the way into blocks we keep
             run = max(keys) + 1 - start
-            if run > self.headroom()[0] or run > idx.free + idx.native.lru_len:
+            if run > self.headroom()[0] or run > idx.free + idx.evictable:
                 return False  # the store could not stage them all: the read goes on
             blocks = list(plan.own_blocks.values())
             for k in keys.values():

@@ -88,6 +88,11 @@ class PrefixIndex:
     def pinned(self) -> int:
         return self.native.n_pinned
 
+    @property
+    def evictable(self) -> int:
+        """Resident blocks nobody pins (the LRU): what an allocation may evict."""
+        return self.native.lru_len
+
     def refcount(self, b: int) -> int:
         return self.native.refcount(b)
 
