@@ -80,7 +80,7 @@ import time
 from .hicache_backend import KvSidecarHiCacheStorage
 from .sglang_entry import EntryGate, gate_applies
 from .sglang_eta import SchedulerEta, chunked_remaining, prefill_budget, queued_of
-from .sglang_settle import HitSettler
+from .sglang_settle import HitSettler, lazily
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def radix_cache_class():
             if entry is not None:
                 entry.decide(self)
             if self._kvs_settle is not None:
-                self._kvs_settle.settle(self, admissible_now(self._kvs_scheduler))
+                self._kvs_settle.settle(self, lazily(lambda: admissible_now(self._kvs_scheduler)))
             for request in before:
                 if request not in self.ongoing_prefetch:
                     self._kvs_demanded.discard(request)

@@ -96,6 +96,21 @@ def completed(ops: list) -> Callable[[list], bool]:
     return lambda items: want <= {id(a.operation) for a in items if getattr(a, "completed_req", None)}
 
 
+def lazily(build: Callable[[], Callable[[object], bool]]) -> Callable[[object], bool]:
+    """The predicate ``build()`` returns, built at its first question and reused after.  For
+    :meth:`HitSettler.settle`'s ``admissible``, which the plugin builds by walking the waiting
+    queue: most iterations have nothing to settle and never ask, so they never pay the walk
+    (O(queue) on every iteration of every rank otherwise)."""
+    built = []
+
+    def ask(request) -> bool:
+        if not built:
+            built.append(build())
+        return built[0](request)
+
+    return ask
+
+
 class HitSettler:
     """Run :meth:`settle` after each ``check_hicache_events`` (see the module docstring).
 
@@ -120,10 +135,15 @@ class HitSettler:
 
     def settle(self, cache, admissible: Callable[[object], bool] | None = None) -> None:
         """One iteration's rounds.  ``admissible(request)``: the request could start its prefill
-        in this iteration (near the head of the waiting queue; built once per iteration by the
-        caller); one that cannot waits an iteration anyway, and SGLang's own next drain brings
+        in this iteration (near the head of the waiting queue; built by the caller at most once
+        per iteration, :func:`lazily`: asked only when something is in flight); one that cannot
+        waits an iteration anyway, and SGLang's own next drain brings
         its answer in for free, so waiting for it would only hold up the iteration.  It must be
         identical on every rank (the scheduler's queue is).  None: every request."""
+        if not cache.ongoing_prefetch:  # the common iteration: nothing in flight, nothing asked
+            self._queried.clear()
+            self._copied.clear()
+            return
         admissible = admissible or (lambda request: True)
         cc = cache.cache_controller
         if cc is None or getattr(cc, "prefetch_hit_queue", None) is None:

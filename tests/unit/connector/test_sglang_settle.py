@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvsidecar.connector.sglang_settle import HitSettler, answered, completed, wait_in_queue
+from kvsidecar.connector.sglang_settle import HitSettler, answered, completed, lazily, wait_in_queue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +237,31 @@ def test_nothing_in_flight_costs_no_drain():
     s = HitSettler(1.0, resident=lambda req: True)
     s.settle(cache)
     assert cache.drains == 0 and s.stats.rounds_query == 0
+
+
+def test_the_admissible_walk_is_built_only_when_something_is_in_flight_and_once_per_iteration():
+    """The plugin's ``admissible`` walks SGLang's waiting queue; built ``lazily``, an iteration
+    with no prefetch in flight (most of them) never builds it, and one with several requests in
+    flight builds it once and asks it of each."""
+    builds, asked = [], []
+
+    def build():
+        builds.append(1)
+        return lambda req: asked.append(req.rid) or req.rid != "r2"
+
+    cache = Cache()
+    s = HitSettler(0.05, resident=lambda req: True)
+    s.settle(cache, lazily(build))
+    assert builds == [] and asked == [] and cache.drains == 0
+    (h1, op1), (h2, op2) = cache.enter("r1"), cache.enter("r2")
+    answer(cache, op1, 0)  # a miss: revoked at the drain
+    s.settle(cache, lazily(build))
+    assert builds == [1] and sorted(asked) == ["r1", "r2"]  # one walk, asked of both
+    assert cache.ready == [h1] and s.stats.rounds_query == 1 and h2 in cache.ongoing_prefetch
+    asked.clear()
+    drains = cache.drains
+    s.settle(cache, lazily(build))  # r2 still in flight: the next iteration builds its own walk
+    assert builds == [1, 1] and asked == ["r2"] and cache.drains == drains  # (still not admissible: no round)
 
 
 @pytest.mark.parametrize("failing", ["resident", "stop"])
