@@ -34,6 +34,7 @@ from kvsidecar.sidecar.l3.calibrate import Calibration
 from kvsidecar.sidecar.l3.tier import L3Tier
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel
 from kvsidecar.sidecar.l3.ops import L3Ops
+from kvsidecar.sidecar.l3.write_gate import WriteBehindGate
 from kvsidecar.sidecar.prefetch.sessions import SessionManager
 from kvsidecar.sidecar.observe.metrics import MetricsError, MetricsService
 from kvsidecar.sidecar.observe.outcome import Observers
@@ -128,23 +129,29 @@ class SidecarApp:
                                    pool_address=self.pool_segment.address, block_bytes=layout.block_bytes,
                                    cost_model=prior, sums=kv.sums, read_lanes=cfg.l3.read_lanes,
                                    landing=self.populator)
-                l3ops = L3Ops(self.loop, kv, self.tier, cfg.l3.max_put_backlog_blocks)
+                if cfg.l3.calibration_blocks:  # the estimate measured before the first request needs it
+                    self.calibration = Calibration(self.tier, cfg.l3.calibration_blocks,
+                                                   on_done=lambda measured: self.sessions.evidence_landed())
+                # writes behind only while a read of L3 could pay; told each engine's prefill cost
+                # by the sessions' observers, re-measures the tier with the calibration while paused
+                gate = WriteBehindGate(self.tier.cost.estimate, cfg.l3.write_behind_max_ratio, cfg.l3.recalibrate_s,
+                                       remeasure=self.calibration.start if self.calibration is not None else None)
+                l3ops = L3Ops(self.loop, kv, self.tier, cfg.l3.max_put_backlog_blocks, gate=gate)
             self.core = KVCore(self.loop, layout, cfg.pool.num_blocks, cfg.limits, state=kv,
                                after_publish=l3ops.write_behind if l3ops is not None else None)
             if cfg.metrics.enabled:  # off by default (kvsidecar.sidecar.observe.metrics)
                 self.metrics = MetricsService(self.loop, cfg.metrics, core=self.core, tier=self.tier,
                                               l3ops=l3ops, generation=self.generation)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
-                                           observer=Observers(SessionLog(), self.metrics))
+                                           observer=Observers(SessionLog(), self.metrics,
+                                                              l3ops.gate if l3ops is not None else None))
             # (the inspector's tables render from the loop's snapshot: kvsidecar.sidecar.observe.status)
             for service in (self.core, l3ops, self.sessions, self.metrics):
                 if service is not None:
                     self.loop.mount(service)
             if self.tier is not None:
                 self.tier.start()
-                if cfg.l3.calibration_blocks:  # the estimate measured before the first request needs it
-                    self.calibration = Calibration(self.tier, cfg.l3.calibration_blocks,
-                                                   on_done=lambda measured: self.sessions.evidence_landed())
+                if self.calibration is not None:
                     self.loop.post(self.calibration.start)
             if self.metrics is not None:
                 self.metrics.start()

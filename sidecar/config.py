@@ -101,6 +101,12 @@ class L3Config:
     # at start, the tier writes this many scratch objects and reads them back (1, then all) so
     # that the estimate is measured before the first request (kvsidecar.sidecar.l3.calibrate); 0: off
     calibration_blocks: int = 4
+    # Write behind only while L3 could pay (kvsidecar.sidecar.l3.write_gate): a store is kept in the
+    # pool only while a block reads (measured) in more than this many times the engines' reported
+    # prefill cost per block (0: always write behind).  While it is paused the tier is re-measured
+    # (the calibration above, so it needs calibration_blocks > 0) at most every recalibrate_s.
+    write_behind_max_ratio: float = 10.0
+    recalibrate_s: float = 30.0
     # shaping / faults (tests and benchmarks)
     latency_ms: float = 0.0
     bandwidth_mbps: float = 0.0
@@ -218,6 +224,8 @@ class SidecarConfig:
             raise ConfigError("sessions.chunk_max_blocks and sessions.window must be positive")
         if not 0 <= self.l3.calibration_blocks <= 64:
             raise ConfigError("l3.calibration_blocks must be in 0..64")
+        if not (self.l3.write_behind_max_ratio >= 0 and self.l3.recalibrate_s > 0):
+            raise ConfigError("l3.write_behind_max_ratio must be >= 0 and l3.recalibrate_s positive")
         if not (self.l3.cost_prior_latency_ms >= 0 and self.l3.cost_prior_mb_per_s > 0):
             raise ConfigError("l3.cost_prior_latency_ms must be >= 0 and l3.cost_prior_mb_per_s > 0")
         if not (self.sessions.prefill_s_per_block >= 0 and self.sessions.load_s_per_block >= 0

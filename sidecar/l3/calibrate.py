@@ -21,6 +21,10 @@ request can see these bytes.  Keys: ``<tier prefix>/_calibration/<i>`` — a fix
 layout (``blocks`` objects), never a request's key (those are block hashes under a namespace).
 A failure measures nothing more (the estimate stays what was measured, else the prior, and
 sessions probe as before; ``calibration_failed`` in the L3 stats) and never fails the sidecar.
+
+It runs again on request (``start`` once the previous run ended: the write-behind gate re-measures
+a tier it stopped writing to, ``kvsidecar.sidecar.l3.write_gate``): the same keys and mapping,
+registered once; a run that fails leaves the next one free to try.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class Calibration:
-    """One measurement of the tier (``L3Tier``), started once on the control thread;
-    ``on_done(measured)`` runs there when it ends (``measured``: every write and read was observed)."""
+    """Measurements of the tier (``L3Tier``), one at a time, started on the control thread;
+    ``on_done(measured)`` runs there when each ends (``measured``: every write and read was observed)."""
 
     def __init__(self, tier, blocks: int, on_done=None):
         if blocks < 1:
@@ -49,16 +53,31 @@ class Calibration:
         self.keys = [f"{tier.prefix}/_calibration/{i}" for i in range(blocks)]
         self.addrs = [self._address + i * size for i in range(blocks)]
         self.result: dict = {"state": "idle"}
+        self.registered: bool | None = None  # None: not tried yet; False: the backend refused it
+        self.runs = 0
 
-    def start(self) -> None:
-        """Register the scratch mapping and queue the first write (control thread)."""
-        try:
-            self.tier.backend.register_pool(self._address, len(self._map))
-        except Exception as exc:  # (a backend that cannot register more memory: no calibration)
-            self._end(f"register failed: {exc}")
-            return
-        self.result = {"state": "running"}
+    @property
+    def running(self) -> bool:
+        return self.result.get("state") == "running"
+
+    def start(self) -> bool:
+        """Register the scratch mapping (the first time) and queue the first write (control
+        thread).  False, and nothing started, while a run is in flight or when the backend
+        refused the mapping."""
+        if self.running or self.registered is False:
+            return False
+        if self.registered is None:
+            try:
+                self.tier.backend.register_pool(self._address, len(self._map))
+                self.registered = True
+            except Exception as exc:  # (a backend that cannot register more memory: no calibration)
+                self.registered = False
+                self._end(f"register failed: {exc}")
+                return False
+        self.runs += 1
+        self.result = {"state": "running", "run": self.runs}
         self._next()
+        return True
 
     def _steps(self) -> list:
         """(operation, blocks) in order: write 1, then all, then read them back the same way."""
@@ -101,11 +120,12 @@ class Calibration:
         self.result.update(state="done" if measured else "failed", latency_ms=round(est.latency_s * 1e3, 3),
                            ms_per_block=round(est.s_per_block * 1e3, 4))
         if measured:
-            log.info("L3 measured at start: %.2f ms + %.3f ms/block (%s)", est.latency_s * 1e3,
-                     est.s_per_block * 1e3, self.result)
+            log.log(logging.INFO if self.runs == 1 else logging.DEBUG, "L3 measured (run %d): %.2f ms + %.3f ms/block "
+                    "(%s)", self.runs, est.latency_s * 1e3, est.s_per_block * 1e3, self.result)
         else:
             self.result["failure"] = failure
             self.tier.counters["calibration_failed"] += 1
-            log.warning("L3 calibration at start measured nothing (%s): cost_aware probes instead", failure)
+            log.warning("L3 calibration (run %d) measured nothing (%s): the estimate stays as it was",
+                        self.runs, failure)
         if self.on_done is not None:
             self.on_done(measured)

@@ -3,7 +3,9 @@
 * **Write-behind**: when a store flagged ``l3`` is published, its blocks are pinned by
   an ``l3_put`` lease (so they cannot be evicted or recycled while being read for the
   PUT) and written on the write lane.  Only blocks whose PUT succeeded count as
-  published to L3.
+  published to L3.  Two things keep a store in the pool only, each counted: a full backlog
+  (``l3_put_skipped_blocks``: L3 is behind) and the gate (``l3_put_gated_blocks``: L3 is too
+  slow for a read of it to pay, ``kvsidecar.sidecar.l3.write_gate``).
 * **Restore** (``restore`` op, answered when done): query L3 for the blocks beyond the
   resident prefix **before** reserving any staging; stage the contiguous hit range
   (pinning the resident prefix so the first restored block's parent stays); read on
@@ -19,14 +21,17 @@ from kvsidecar.shm.chain import count as id_count, length as chain_len, span as 
 from kvsidecar.sidecar.kv.admission import Refusal
 from kvsidecar.sidecar.kv.state import KVState
 from kvsidecar.sidecar.l3.tier import L3Tier
+from kvsidecar.sidecar.l3.write_gate import WriteBehindGate
 from kvsidecar.sidecar.service import DEFERRED, Host, Service
 
 
 class L3Ops(Service):
-    def __init__(self, host: Host, kv: KVState, tier: L3Tier, max_put_backlog_blocks: int = 0):
+    def __init__(self, host: Host, kv: KVState, tier: L3Tier, max_put_backlog_blocks: int = 0,
+                 gate: WriteBehindGate | None = None):
         """``kv``: the pool's block state (``kvsidecar.sidecar.kv.state``); :meth:`write_behind` is
-        given to ``KVCore`` as what follows a published store."""
+        given to ``KVCore`` as what follows a published store; ``gate``: None writes every store."""
         self.kv = kv
+        self.gate = gate
         self.max_put_backlog = max_put_backlog_blocks or max(kv.num_blocks // 4, 1)
         self.put_backlog = 0  # blocks pinned by PUTs in flight
         self.tier = tier
@@ -46,6 +51,9 @@ class L3Ops(Service):
         if not st.l3:
             return
         n = id_count(st.blocks)
+        if self.gate is not None and not self.gate.admits():
+            self.counters["l3_put_gated_blocks"] += n  # no read of L3 could pay: the pool only
+            return
         if self.put_backlog and self.put_backlog + n > self.max_put_backlog:  # (one store always fits)
             self.counters["l3_put_skipped_blocks"] += n  # L3 is behind: keep it in the pool only
             return
@@ -107,7 +115,8 @@ class L3Ops(Service):
     def snapshot(self):
         """The tier's snapshot with this service's in-flight counts (``kvsidecar.sidecar.observe.snapshot``)."""
         return self.tier.snapshot(puts_in_flight=self.puts_in_flight, put_backlog_blocks=self.put_backlog,
-                                  loads_in_flight=self.loads_in_flight)
+                                  loads_in_flight=self.loads_in_flight,
+                                  write_gate=self.gate.stats() if self.gate is not None else None)
 
 
 __all__ = ["L3Ops"]

@@ -250,7 +250,8 @@ class L3Tier:
     def stats(self) -> dict:
         return self.snapshot().stats()["l3"]
 
-    def snapshot(self, *, puts_in_flight: int = 0, put_backlog_blocks: int = 0, loads_in_flight: int = 0):
+    def snapshot(self, *, puts_in_flight: int = 0, put_backlog_blocks: int = 0, loads_in_flight: int = 0,
+                 write_gate: dict | None = None):
         """Counters, the backend's stats, the cost model and the lanes as one typed snapshot
         (``kvsidecar.sidecar.observe.snapshot.L3Snapshot``; the caller adds its in-flight counts)."""
         from kvsidecar.sidecar.observe.snapshot import CostSnapshot, L3Snapshot
@@ -263,4 +264,5 @@ class L3Tier:
             cost=CostSnapshot(est.latency_s, est.s_per_block, est.samples, self.cost.error, est.write_samples),
             lanes={"meta": self.meta.stats(), "read": self.reader.stats(), "write": self.writer.stats(),
                    "pool_populate": landing},
-            puts_in_flight=puts_in_flight, put_backlog_blocks=put_backlog_blocks, loads_in_flight=loads_in_flight)
+            puts_in_flight=puts_in_flight, put_backlog_blocks=put_backlog_blocks, loads_in_flight=loads_in_flight,
+            write_gate=write_gate)

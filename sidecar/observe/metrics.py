@@ -356,11 +356,15 @@ METRICS: tuple[Metric, ...] = (
     # -- L3
     _c("kvsidecar_l3_errors", "L3 failures, by backend and code", lambda s, m: _l3_errors(s), ["backend", "code"],
        "l3"),
-    _c("kvsidecar_l3_put_blocks", "Write-behind blocks: published, failed, skipped (L3 behind); "
-       "present: published without a write, L3 held them already",
+    _c("kvsidecar_l3_put_blocks", "Write-behind blocks: published, failed, skipped (L3 behind), gated (L3 too "
+       "slow to pay); present: published without a write, L3 held them already",
        lambda s, m: {"published": _loop(s, "l3_published_blocks"), "failed": _loop(s, "l3_put_failed_blocks"),
-                     "skipped": _loop(s, "l3_put_skipped_blocks"), "present": _tier(s, "put_blocks_present")},
+                     "skipped": _loop(s, "l3_put_skipped_blocks"), "gated": _loop(s, "l3_put_gated_blocks"),
+                     "present": _tier(s, "put_blocks_present")},
        ["result"], "l3"),
+    _g("kvsidecar_l3_write_behind_open", "1 while stores are written behind to L3, 0 while paused because a "
+       "block reads in more than l3.write_behind_max_ratio times its prefill",
+       lambda s, m: int(s.l3.write_gate["open"]) if s.l3.write_gate is not None else 1, part="l3"),
     _g("kvsidecar_l3_read_seconds_per_block_estimate", "The cost model's running estimate of one block's L3 read "
        "(EWMA)", lambda s, m: _per_block(s), part="l3"),
     _g("kvsidecar_l3_read_bandwidth_bytes_per_second_estimate", "Block bytes over that estimate",

@@ -39,6 +39,7 @@ class SessionOutcome:
     chunk_s: tuple = ()  # claim -> data landed, per chunk
     read_s_per_block: tuple = ()  # the L3 read itself over its blocks, per read
     tokens_per_block: int = 0
+    prefill_s_per_block: float = 0.0  # cost_aware: the engine's reported prefill cost of one block (0: none)
 
 
 class SessionObserver:

@@ -279,6 +279,7 @@ class L3Snapshot:
     puts_in_flight: int
     put_backlog_blocks: int
     loads_in_flight: int
+    write_gate: dict | None = None  # kvsidecar.sidecar.l3.write_gate's stats (None: no gate)
 
     @property
     def backend_name(self) -> str:
@@ -293,7 +294,8 @@ class L3Snapshot:
             cost["write_samples"] = c.write_samples
         return {"l3": {**self.counters, "cost": cost, **self.lanes, "backend": dict(self.backend),
                        "puts_in_flight": self.puts_in_flight, "put_backlog_blocks": self.put_backlog_blocks,
-                       "loads_in_flight": self.loads_in_flight}}
+                       "loads_in_flight": self.loads_in_flight,
+                       **({"write_gate": dict(self.write_gate)} if self.write_gate is not None else {})}}
 
 
 # -- metrics (its own bookkeeping) ---------------------------------------------------------------

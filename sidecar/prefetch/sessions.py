@@ -430,7 +430,7 @@ class SessionManager(Service):
             stop_latency_s=now - rec.trigger_at if rec.trigger_at is not None else None,
             drain_s=now - rec.sealed_at if rec.sealed_at is not None else None,
             chunk_s=tuple(t / 1e3 for t in rec.chunk_times), read_s_per_block=tuple(rec.read_s_per_block),
-            tokens_per_block=self.core.layout.tokens_per_block)
+            tokens_per_block=self.core.layout.tokens_per_block, prefill_s_per_block=rec.prefill_s_per_block)
 
     def _forget(self, sid: int) -> None:
         rec = self.by_id.pop(sid, None)
