@@ -361,10 +361,15 @@ class Bench:
                     s = c.stats()
                     return s["store"].get("published_blocks", 0) if not s["l3"].get("puts_in_flight", 0) else -1
 
+                def puts(c=c):  # blocks written behind to L3 and kept from it by the gate
+                    n = c.stats()["counters"]
+                    return {"written": n.get("l3_published_blocks", 0), "gated": n.get("l3_put_gated_blocks", 0)}
+
                 res = self._measure(srv.port, wl, f"{tag}-{arm}-{mbps:g}", flush_pool, stored, arm,
-                                    cpu=_cpu_meter(srv, holder["sc"].pid))
+                                    cpu=_cpu_meter(srv, holder["sc"].pid), puts=puts)
                 st = c.stats()
-                res["sidecar"] = {"sessions": st.get("sessions", {}), "l3": st.get("l3", {})}
+                res["sidecar"] = {"sessions": st.get("sessions", {}), "l3": st.get("l3", {}),
+                                  "l3_put": {k: v for k, v in st.get("counters", {}).items() if k.startswith("l3_")}}
                 out[f"{arm}@{mbps:g}"] = res
         finally:
             if srv is not None:
@@ -376,10 +381,11 @@ class Bench:
         return out
 
     # one arm on a running server -----------------------------------------------------------------
-    def _measure(self, port, wl, tag, flush_pool, stored_count, arm, cpu=None) -> dict:
+    def _measure(self, port, wl, tag, flush_pool, stored_count, arm, cpu=None, puts=None) -> dict:
         """``stored_count()``: pages the storage holds (kvsidecar: published blocks; file: files
         per rank); ``flush_pool()``: empties kvsidecar's CPU pool (the next hits come from L3);
-        ``cpu()``: CPU seconds used so far per process group (the stream's share is reported)."""
+        ``cpu()``: CPU seconds used so far per process group; ``puts()``: kvsidecar's write-behind
+        counters so far (the stream's share of both is reported)."""
         from scripts.sglang_server import flush_cache, stream_generate
 
         # seed the shared prefixes (one request each; write-through to storage), then flush
@@ -394,13 +400,14 @@ class Bench:
         # an earlier arm's tier files (L3, SGLang's file backend) would otherwise be flushed during
         # whichever stream runs then, on the 2 cores both ranks need; the stream's own writes stay
         os.sync()
-        cpu0 = cpu() if cpu else {}
+        cpu0, puts0 = (cpu() if cpu else {}), (puts() if puts else {})
         replies = run_stream(port, wl, tag)
-        cpu1 = cpu() if cpu else {}
+        cpu1, puts1 = (cpu() if cpu else {}), (puts() if puts else {})
         res = {"cpu_s": {k: round(cpu1[k] - cpu0[k], 3) for k in cpu1},"ttft_s": [r.ttft_s for r in replies], "storage": [r.storage_tokens for r in replies],
                "outputs": [r.output_ids for r in replies],
                "timeline": {f"{tag}-{i}": [round(r.sent_at, 6), round(r.ttft_s, 6)] for i, r in enumerate(replies)},
-               "server_s": [r.server_s for r in replies] if any(r.server_s for r in replies) else None}
+               "server_s": [r.server_s for r in replies] if any(r.server_s for r in replies) else None,
+               "stream_l3_blocks": {k: puts1[k] - puts0.get(k, 0) for k in puts1}}
         # the hit probe: cold, then after SGLang's flush a storage hit (kvsidecar: its pool)
         cold, hit, ok, hit_storage = [], [], True, []
         for j, p in enumerate(wl.probes):
@@ -459,6 +466,8 @@ class Bench:
                 out[key]["sidecar"] = res["sidecar"]
             if res.get("cpu_s"):
                 out[key]["cpu_s"] = res["cpu_s"]
+            if res.get("stream_l3_blocks"):
+                out[key]["stream_l3_blocks"] = res["stream_l3_blocks"]
             if res.get("server_s"):
                 out[key]["server_s"] = res["server_s"]
         out["server_logs"] = [str(p) for p in sorted(self.work.glob("server-*.log"))]
@@ -610,6 +619,8 @@ def print_table(doc: dict) -> None:
             every = v.get("pooled") or {}
             over = f"  every request p50 {every['ttft_p50_ms']:.1f} p90 {every['ttft_p90_ms']:.1f}" if every else ""
             cpu = "".join(f"  cpu {name} {fmt(secs, 2)} s" for name, secs in (t.get("cpu_s") or {}).items())
+            if t.get("stream_l3_blocks"):
+                cpu += "  L3 blocks " + " ".join(f"{k} {fmt(n, 0)}" for k, n in t["stream_l3_blocks"].items())
             if v.get("server_ms"):
                 cpu += "  SGLang ms (median) " + " ".join(f"{k} {x:.1f}" for k, x in v["server_ms"].items())
             print(f"  {arm:12s} p50 {fmt(t['ttft_p50_ms'], 1):>28s}  p90 {fmt(t['ttft_p90_ms'], 1):>28s}  "

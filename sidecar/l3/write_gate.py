@@ -60,6 +60,7 @@ class WriteBehindGate(SessionObserver):
         self.open = True
         self.closed_at: float | None = None
         self.closings = 0
+        self.paused_s = 0.0  # time paused, closed periods that ended (stats add the current one)
         self.remeasures = 0
         self._last_measured = float("-inf")
 
@@ -94,6 +95,7 @@ class WriteBehindGate(SessionObserver):
         elif not self.open and (r is None or r <= REOPEN * self.max_ratio):
             log.info("L3 write-behind resumed after %.1f s: %s", now - self.closed_at,
                      "the ratio is unmeasured" if r is None else f"a block reads in {r:.1f}x its prefill")
+            self.paused_s += now - self.closed_at
             self.open, self.closed_at = True, None
         if not self.open and now - self._last_measured >= self.recalibrate_s and self.remeasure():
             self._last_measured = now
@@ -102,10 +104,11 @@ class WriteBehindGate(SessionObserver):
 
     def stats(self) -> dict:
         r = self.ratio()
+        closed_s = self.clock() - self.closed_at if self.closed_at is not None else 0.0
         return {"open": self.open, "max_ratio": self.max_ratio, "ratio": round(r, 3) if r is not None else None,
-                "prefill_ms_per_block": round(self.prefill_s_per_block * 1e3, 4),
-                "closed_s": round(self.clock() - self.closed_at, 3) if self.closed_at is not None else 0.0,
-                "closings": self.closings, "remeasures": self.remeasures}
+                "prefill_ms_per_block": round(self.prefill_s_per_block * 1e3, 4), "closed_s": round(closed_s, 3),
+                "paused_s": round(self.paused_s + closed_s, 3), "closings": self.closings,
+                "remeasures": self.remeasures}
 
 
 __all__ = ["REOPEN", "WriteBehindGate"]

@@ -69,7 +69,7 @@ def test_a_slow_l3_is_not_written_behind_remeasured_while_paused_and_written_aga
     with KVConnector(instance, LAY) as c:
         s = calibrated(c, 1)
         assert s["l3"]["write_gate"] == {"open": True, "max_ratio": 10.0, "ratio": None, "prefill_ms_per_block": 0.0,
-                                         "closed_s": 0.0, "closings": 0, "remeasures": 0}
+                                         "closed_s": 0.0, "paused_s": 0.0, "closings": 0, "remeasures": 0}
         engine_reports(c, 1e-5, "e1")
         a = store(c, kv, 0)
         s = books(c)

@@ -96,12 +96,16 @@ def test_it_closes_above_the_bound_and_reopens_only_below_the_hysteresis():
     assert not gate.admits() and gate.ratio() == pytest.approx(9.0)
     at(REOPEN * 10 * 1.01)
     assert not gate.admits()
+    g.clock.t += 1.0
     at(REOPEN * 10 * 0.999)  # at REOPEN x the bound: open again
     assert gate.admits() and gate.closings == 1 and gate.stats()["closed_s"] == 0.0
+    assert gate.stats()["paused_s"] == pytest.approx(3.0)  # (2 s, then 1 s more before it reopened)
     at(10.0)
     assert gate.admits()  # (open: only above the bound does it close)
     at(10.01)
     assert not gate.admits() and gate.closings == 2
+    g.clock.t += 0.5
+    assert gate.stats()["paused_s"] == pytest.approx(3.5) and gate.stats()["closed_s"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("why", ["always", "no_remeasure"])
