@@ -4,7 +4,7 @@
 
 Reads a ``scripts.sglang_ttft`` JSON (each request's client send time and TTFT, on
 CLOCK_MONOTONIC) and the kvsidecar server's log (``timeline = true``: one ``kvsidecar-timeline``
-line per storage phase, same clock), and splits each request's TTFT into:
+line per storage phase, same clock; ``scripts.sglang_ttft --timeline``), and splits each request's TTFT into:
 
 * ``to_query``: client send -> SGLang's prefetch thread starts ``_storage_hit_query`` (HTTP,
   tokenizer, scheduler queue entry, prefetch thread pick-up);

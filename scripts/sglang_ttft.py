@@ -268,6 +268,9 @@ class Bench:
     shared_server: bool = False  # one SGLang server for every kvsidecar arm of a trial (faster, not independent)
     instance_prefix: str = "kvsttft"
     server_times: bool = False  # every server with --enable-metrics: SGLang's own per-request time stats
+    # kvsidecar's per-phase timeline (a log line per storage phase of every request, written on the
+    # scheduler thread: the bench's instrumentation, not the product's path) -- diagnosis only
+    timeline: bool = False
     started: float = dataclasses.field(default_factory=time.time)
 
     @property
@@ -318,7 +321,7 @@ class Bench:
         instance = self._instance()
         cfg = self.work / f"kvsidecar-{tag}.toml"
         cfg.write_text(f'instance = "{instance}"\nmodel = "tiny"\ntimeout_s = 2.0\nreattach_every_s = 0.05\n'
-                       'timeline = true\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n'
+                       f'timeline = {str(self.timeline).lower()}\n[sessions]\npolicy = "cost_aware"\nget_wait_s = 20.0\n'
                        f'chunk_max_blocks = {self.chunk_max_blocks}\n')
         side_log = open(self.work / f"sidecar-{tag}.log", "ab")
         holder = {}
@@ -559,6 +562,9 @@ def main(argv=None) -> int:
     ap.add_argument("--server-times", action="store_true",
                     help="run every server with --enable-metrics and split each TTFT with SGLang's own time stats "
                          "(entry: sent -> queued, queue, prefill, rest: the token back to the client); diagnosis")
+    ap.add_argument("--timeline", action="store_true",
+                    help="kvsidecar's per-phase timeline in the server logs (for scripts.sglang_timeline): a log line "
+                         "per storage phase of every request, written on the scheduler threads; diagnosis, off by default")
     ap.add_argument("--keep-data", action="store_true",
                     help="keep the L3 and file-tier stores (~500 MiB a run); logs are always kept")
     ap.add_argument("--json", required=True)
@@ -573,7 +579,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True)
     model = Model()
     bench = Bench(work, model, speeds, trials, {"requests": a.requests, "probes": a.probes}, tuple(a.setups.split(",")),
-                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server, server_times=a.server_times)
+                  tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server, server_times=a.server_times,
+                  timeline=a.timeline)
     results = []
     try:
         for k in range(trials):
