@@ -6,10 +6,12 @@ cost per block (cost_aware's input, reported with each cost_aware session and ca
 ``SessionOutcome``).  When a block takes more than ``max_ratio`` times longer to read than to
 prefill, a read of it pays only by hiding behind a queue wait ``max_ratio`` prefills long; the
 write-behind then buys next to nothing while it takes the link, the lanes and the CPU the engine
-computes on.  (Genuine SGLang at 8 Mbit/s, an L3 ~30x dearer per block than prefill: the
-write-behind was the whole of cost_aware's penalty against no prefetch -- the stores into the pool
-without it were within 1 % of no_prefetch.)  While the gate is closed a store is published in the
-pool only, and counted (``l3_put_gated_blocks``).
+computes on.  (Genuine SGLang at 8 Mbit/s: a block reads in ~16 ms, 4-12x the prefill cost per
+block SGLang's own counters give; cost_aware read none of it, and the write-behind put ~1,250
+blocks a stream over that link, twice the sidecar's CPU; paused, nothing is written during the
+streams and the paired TTFT against no prefetch fell by ~2 ms at the median over 768 requests,
+within this machine's noise at the p50 / p90 of the stream.)  While the gate is closed a store is
+published in the pool only, and counted (``l3_put_gated_blocks``).
 
 Invariants:
 
