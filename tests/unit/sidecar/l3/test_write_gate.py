@@ -5,19 +5,14 @@ at most every ``recalibrate_s``, and a calibration that runs again with the same
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import queue
-import time
-
 import pytest
 
 from kvsidecar.sidecar.l3.calibrate import Calibration
 from kvsidecar.sidecar.l3.cost_model import ReadCostModel
-from kvsidecar.sidecar.l3.filestore import FileStore
-from kvsidecar.sidecar.l3.tier import L3Tier
 from kvsidecar.sidecar.l3.write_gate import REOPEN, WriteBehindGate
 from kvsidecar.sidecar.observe.outcome import SessionOutcome
+
+from .test_tier_contract import RealHarness
 
 MS = 1e-3
 
@@ -150,46 +145,17 @@ def test_bad_bounds_are_refused():
             WriteBehindGate(m.estimate, ratio, every, remeasure=lambda: True)
 
 
-# -- the calibration it re-runs, on a real tier --------------------------------------------------
-BLOCK_BYTES = 4096
-
-
-class RealTier:
-    """``L3Tier`` over a ``FileStore`` in a temporary directory; the test's thread is the control
-    thread (it runs what the tier posts)."""
-
-    def __init__(self, tmp_path):
-        self.pool = mmap.mmap(-1, 4 * BLOCK_BYTES)
-        self._buf = ctypes.c_char.from_buffer(self.pool)
-        self.posted: queue.Queue = queue.Queue()
-        self.backend = FileStore(str(tmp_path / "l3"))
-        self.tier = L3Tier(self.backend, lambda fn, *a: self.posted.put((fn, a)), fingerprint=b"\x02" * 8,
-                           pool_address=ctypes.addressof(self._buf), block_bytes=BLOCK_BYTES,
-                           cost_model=ReadCostModel(5 * MS, 1 * MS))
-        self.tier.start()
-
-    def settle(self, until, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not until():
-            left = deadline - time.monotonic()
-            assert left > 0, "the tier did not answer in time"
-            fn, args = self.posted.get(timeout=left)
-            fn(*args)
-
-    def close(self) -> None:
-        self.tier.stop()
-        del self._buf
-        self.pool.close()
+# -- the calibration it re-runs, on a real tier (the tier contract's harness: file store, real lanes) --
 
 
 def test_the_calibration_runs_again_with_the_same_keys_one_run_at_a_time(tmp_path):
-    rt = RealTier(tmp_path)
+    rt = RealHarness(tmp_path, [])
     ended = []
     try:
         cal = Calibration(rt.tier, 3, on_done=ended.append)
         assert cal.start() and cal.running and cal.runs == 1
         assert not cal.start() and cal.runs == 1  # one at a time
-        rt.settle(lambda: ended)
+        rt.settle(lambda: bool(ended))
         assert ended == [True] and cal.result["state"] == "done" and rt.tier.cost.samples == 2
         files = sorted(p.name for p in (tmp_path / "l3").rglob("*") if p.is_file())
         assert cal.start() and cal.result == {"state": "running", "run": 2}
@@ -202,7 +168,7 @@ def test_the_calibration_runs_again_with_the_same_keys_one_run_at_a_time(tmp_pat
 
 
 def test_a_calibration_whose_mapping_the_backend_refused_never_runs(tmp_path):
-    rt = RealTier(tmp_path)
+    rt = RealHarness(tmp_path, [])
     ended = []
 
     def refuse(address, size):
