@@ -87,6 +87,8 @@ def test_series_follow_leases_sessions_errors_and_clients(sidecar_factory, insta
         assert value(m, "kvsidecar_engine_bytes_total") == N * LAY.block_bytes
         assert value(m, "kvsidecar_l3_put_blocks_total", result="published") == N
         assert value(m, "kvsidecar_l3_put_blocks_total", result="present") == 0  # L3 had none of them
+        assert value(m, "kvsidecar_l3_put_blocks_total", result="gated") == 0
+        assert value(m, "kvsidecar_l3_write_behind_open") == 1  # (no engine reported a prefill cost)
         slot = c.client.slot
         assert ("kvsidecar_ring_depth_bytes", (("ring", "submit"), ("slot", str(slot)))) in m
         c.release(lease)

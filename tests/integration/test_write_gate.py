@@ -14,6 +14,7 @@ from kvsidecar.shm.layout import KVLayout
 
 from ..helpers import file_l3_overrides, small_kv, wait_l3_idle, wait_terminal
 from ..waiting import wait_until
+from .test_metrics import METRICS_ON, metrics_port, scrape, value
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=4, tp_size=1)
 N = 8
@@ -64,7 +65,8 @@ def calibrated(c, runs: int) -> dict:
 
 def test_a_slow_l3_is_not_written_behind_remeasured_while_paused_and_written_again_when_it_pays(
         sidecar_factory, instance, tmp_path):
-    sidecar_factory(**overrides(tmp_path, **{"l3.recalibrate_s": 0.05}))
+    sidecar_factory(**overrides(tmp_path, **{"l3.recalibrate_s": 0.05, **METRICS_ON}))
+    port = metrics_port(instance)
     kv = small_kv(N)
     with KVConnector(instance, LAY) as c:
         s = calibrated(c, 1)
@@ -78,6 +80,10 @@ def test_a_slow_l3_is_not_written_behind_remeasured_while_paused_and_written_aga
         assert s["counters"]["l3_put_gated_blocks"] == N and s["counters"].get("l3_published_blocks", 0) == 0
         assert s["l3"]["puts_in_flight"] == 0 and s["store"]["published_blocks"] == N
         assert read_back(c, a, kv) == N  # in the pool, byte for byte
+        m = scrape(port)
+        assert value(m, "kvsidecar_l3_write_behind_open") == 0
+        assert value(m, "kvsidecar_l3_put_blocks_total", result="gated") == N
+        assert value(m, "kvsidecar_l3_put_blocks_total", result="published") == 0
 
         # paused: a refused store past recalibrate_s measures the tier again (the write lane is idle)
         base = [1000]
@@ -99,6 +105,7 @@ def test_a_slow_l3_is_not_written_behind_remeasured_while_paused_and_written_aga
         b = store(c, kv, 500_000)
         s = wait_l3_idle(c)
         assert s["l3"]["write_gate"]["open"] is True and s["counters"]["l3_published_blocks"] == N
+        assert value(scrape(port), "kvsidecar_l3_write_behind_open") == 1
         books(c)
         c.flush()
         assert c.restore(b)["restored"] == N  # it is in L3: restored into the emptied pool
