@@ -3,8 +3,8 @@ minutes: ``.sglang-venv/bin/python -m scripts.sglang_ttft --quick --json FILE``)
 
 import pytest
 
-from scripts.sglang_ttft import (ARMS, make_workload, paired, paired_phases, percentile, pooled, rows, summarize,
-                                 verdicts)
+from scripts.sglang_ttft import (ARMS, make_workload, paired, paired_phases, percentile, pooled, print_table, rows,
+                                 summarize, verdicts)
 
 
 def test_workload_shares_prefixes_and_arrives_in_order():
@@ -52,6 +52,24 @@ def test_rows_aggregate_trials_and_judge_cost_aware():
     assert v["ttft_p50_ms"]["met"] and v["ttft_p90_ms"]["met"]
     v = verdicts(slow)
     assert not v["ttft_p50_ms"]["met"] and v["ttft_p50_ms"]["bound"] == pytest.approx(84.0)
+
+
+def test_the_write_behind_a_stream_made_is_aggregated_and_printed(capsys):
+    """``stream_l3_blocks`` (kvsidecar arms): the blocks written behind to L3 and gated during the
+    stream, median [min..max] over trials, beside the arm's figures; absent for the others."""
+    trials = [_trial(1.0), _trial(1.1), _trial(0.9)]
+    for t, (w, g) in zip(trials, ((0, 1280), (0, 1104), (16, 1200))):
+        t["cost_aware@80"]["stream_l3_blocks"] = {"written": w, "gated": g}
+        t["cost_aware_write_all@80"] = {**t["cost_aware@80"], "stream_l3_blocks": {"written": 1250 + w, "gated": 0}}
+    slow = rows(trials, [80])[0]
+    assert slow["arms"]["cost_aware"]["trials"]["stream_l3_blocks"]["gated"]["median"] == 1200
+    assert slow["arms"]["cost_aware_write_all"]["trials"]["stream_l3_blocks"]["written"]["max"] == 1266
+    assert "stream_l3_blocks" not in slow["arms"]["no_prefetch"]["trials"]
+    print_table({"rows": [slow], "probe": {}})
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("cost_aware "))
+    assert "L3 blocks written 0 [0..16] gated 1200 [1104..1280]" in line
+    assert "L3 blocks" not in next(x for x in out.splitlines() if x.strip().startswith("no_prefetch"))
 
 
 def test_the_twin_arm_is_reported_beside_cost_aware_and_judges_nothing():
