@@ -15,7 +15,8 @@ rotates between trials (interleaved), one server per storage set-up:
   ``whole_task`` (``wait_complete``), ``timeout`` (a short fixed budget) and ``cost_aware``; its
   file L3 is shaped with ``l3.bandwidth_mbps`` (a speed faster and one slower than recompute).
 
-Each arm: seed the shared prefixes into storage (one request each, written through), flush
+With ``--trials`` > 1 one more trial runs first and is discarded (``--warmup``): a run's first trial
+was its slowest in 13 of 13 runs.  Each arm: seed the shared prefixes into storage (one request each, written through), flush
 SGLang's cache (and kvsidecar's pool: the prefixes are L3 hits), then the measured stream:
 ``--requests`` requests, each a shared prefix plus its own suffix, at Poisson arrivals; TTFT at the
 client from the streaming response, cached tokens from storage per request, outputs compared with
@@ -567,6 +568,10 @@ def main(argv=None) -> int:
                          "per storage phase of every request, written on the scheduler threads; diagnosis, off by default")
     ap.add_argument("--keep-data", action="store_true",
                     help="keep the L3 and file-tier stores (~500 MiB a run); logs are always kept")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="whole trials run first and discarded (default: 1 when --trials > 1, else 0): the first "
+                         "trial of a run was the slowest in 13 of 13 runs, its arms' median p50 1.1-2.6x the other "
+                         "trials' (first server starts, cold caches), whichever arm it ran first")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -581,8 +586,13 @@ def main(argv=None) -> int:
     bench = Bench(work, model, speeds, trials, {"requests": a.requests, "probes": a.probes}, tuple(a.setups.split(",")),
                   tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server, server_times=a.server_times,
                   timeline=a.timeline)
+    warmup = a.warmup if a.warmup is not None else (1 if trials > 1 else 0)
     results = []
     try:
+        for w in range(warmup):  # (its own workload seed and arm order; nothing of it is kept)
+            t0 = time.monotonic()
+            bench.trial(-1 - w)
+            log.info("warm-up trial %d done in %.0f s (discarded)", w + 1, time.monotonic() - t0)
         for k in range(trials):
             results.append(bench.trial(k))
     finally:
@@ -592,7 +602,7 @@ def main(argv=None) -> int:
             freed = prune_tier_data(work)
             log.info("removed %.0f MiB of L3 / file-tier data under %s (logs kept)", freed / 2**20, work)
     doc = {"rows": rows(results, speeds), "probe": probe_table(results), "pool_hit": pool_hit_verdict(results),
-           "trials": results,
+           "trials": results, "warmup_trials": warmup,
            "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests}
     for row in doc["rows"]:
         row["verdict"] = verdicts(row)
