@@ -115,7 +115,7 @@ class SidecarApp:
             if not cfg.integrity.checksums:
                 log.warning("integrity.checksums = false: no block is verified (stores, GETs and L3 reads)")
             kv = KVState.build(layout, cfg.pool.num_blocks, cfg.limits, checksums=cfg.integrity.checksums)
-            l3ops = None
+            l3ops = gate = None
             backend = build_backend(cfg, self)
             if backend is not None:
                 backend.register_pool(self.pool_segment.address, self.pool_segment.size)
@@ -143,8 +143,7 @@ class SidecarApp:
                 self.metrics = MetricsService(self.loop, cfg.metrics, core=self.core, tier=self.tier,
                                               l3ops=l3ops, generation=self.generation)
             self.sessions = SessionManager(self.core, self.tier, cfg.sessions,
-                                           observer=Observers(SessionLog(), self.metrics,
-                                                              l3ops.gate if l3ops is not None else None))
+                                           observer=Observers(SessionLog(), self.metrics, gate))
             # (the inspector's tables render from the loop's snapshot: kvsidecar.sidecar.observe.status)
             for service in (self.core, l3ops, self.sessions, self.metrics):
                 if service is not None:
