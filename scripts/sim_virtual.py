@@ -97,6 +97,7 @@ class SimParams:
     calibration_blocks: int = 4  # the tier measured itself at start (l3.calibration_blocks; 0: the prior, probes)
     read_with_query: bool = True  # sessions.read_with_query (the sidecar's default: on)
     queue_aware: bool = True  # sessions.queue_aware (the sidecar's default: on)
+    ahead_aware: bool = True  # sessions.ahead_aware (the sidecar's default: on)
     # the read lane's thread takes a job up only once the control thread has finished its batch
     # (the GIL): a read withdrawn within that time never starts (real timelines: a read claimed with
     # the query and withdrawn by a demand 0.1 ms later had not started)
@@ -235,7 +236,7 @@ class Engine:
         sess = SessionsConfig(chunk_max_blocks=(self.kw or {}).get("chunk_max_blocks", 128), window=2,
                               retained_ttl_s=30.0, prefill_s_per_block=p.compute_s_per_block,
                               load_s_per_block=p.copy_s_per_block, read_with_query=p.read_with_query,
-                              queue_aware=p.queue_aware)
+                              queue_aware=p.queue_aware, ahead_aware=p.ahead_aware)
         self.sm = SessionManager(self.core, self.l3, sess, clock=self.loop.clock)
         self.group = f"vsim-{arm}"
         self.ranks = [_Conn(self.group, r, p.tp, r) for r in range(p.tp)]

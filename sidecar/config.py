@@ -166,6 +166,10 @@ class SessionsConfig:
     # (``waiting``): each of them starts that much later, while a read holds only the L3 lane.
     # False: every request is planned as if it were alone (its own TTFT only).
     queue_aware: bool = True
+    # ... and by the older requests of its engine still reading from L3 that would be ready while
+    # its prefill runs (the scan skips them until then, so they would wait for it to end).
+    # Only with queue_aware.
+    ahead_aware: bool = True
 
 
 @dataclasses.dataclass

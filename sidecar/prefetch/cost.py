@@ -45,7 +45,7 @@ import dataclasses
 import math
 
 
-def block_saving(prefill_s_per_block: float, load_s_per_block: float, waiting: int) -> float:
+def block_saving(prefill_s_per_block: float, load_s_per_block: float, waiting: float) -> float:
     """:attr:`Outlook.saving_per_block` from its inputs (also for a decision taken before the
     outlook is built: ``estimates.outlook``'s backlog rule)."""
     return (prefill_s_per_block - load_s_per_block) * (1 + waiting)
@@ -64,7 +64,9 @@ class Outlook:
     probe_blocks: int = 0  # the L3 estimate has no evidence yet: one small chunk may be read to learn it
     query_s: float = 0.0  # how long an L3 existence query takes (measured; 0: unknown)
     unmeasured: bool = False  # the L3 estimate is still the configured prior (no read has landed)
-    waiting: int = 0  # queued requests this one's prefill holds up, each by as long (a read does not)
+    # requests this one's prefill holds up, each by as long (a read does not): the queue behind
+    # it, and a share for each older one still reading that would be ready meanwhile
+    waiting: float = 0
     # blocks another session is already reading from L3: the chain's positions up to ``awaited_to``
     # from where the next claim starts, expected to land at ``awaited_at`` (the lane's work up to
     # that session's reads).  Claimed, they are awaited, not read again (one publication serves
@@ -78,8 +80,8 @@ class Outlook:
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"Outlook.{f} must be a finite non-negative number, not {v!r}")
-        if not (isinstance(self.waiting, int) and self.waiting >= 0):
-            raise ValueError(f"Outlook.waiting must be a non-negative int, not {self.waiting!r}")
+        if not (isinstance(self.waiting, (int, float)) and self.waiting >= 0 and math.isfinite(self.waiting)):
+            raise ValueError(f"Outlook.waiting must be a finite non-negative number, not {self.waiting!r}")
         if not math.isfinite(self.eta):
             raise ValueError("Outlook.eta must be finite")
         if not (isinstance(self.awaited_to, int) and self.awaited_to >= 0 and math.isfinite(self.awaited_at)):

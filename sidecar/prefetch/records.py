@@ -65,6 +65,7 @@ class Record:
     eta: float | None = None  # cost_aware: when the engine expects to start its prefill (None: now)
     prefill_s_per_block: float = 0.0  # cost_aware: the engine's prefill cost of one block
     waiting: int = 0  # cost_aware: queued requests its prefill holds up, as the engine last said (0: queue_aware off)
+    held: float = 0.0  # cost_aware: older requests still reading its prefill would hold up, at its last decision (ahead_aware)
     withdrawn: int = 0  # blocks of queued reads withdrawn at the seal
     read_s_per_block: list = dataclasses.field(default_factory=list)  # per completed L3 read
     # the session's own timeline, [(event, clock, detail)] (bounded by its chunks): returned by

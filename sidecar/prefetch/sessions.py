@@ -23,6 +23,7 @@ block state is the pool manager's (``kvsidecar.sidecar.kv.admission.PoolManager`
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import time
 
@@ -35,18 +36,14 @@ from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.estimates import STALE_AFTER, awaited_reads, drain_budget, outlook
+from kvsidecar.sidecar.prefetch.estimates import (MAX_WAITING, STALE_AFTER, Ahead, ahead, awaited_reads,
+                                                  drain_budget, outlook)
 from kvsidecar.sidecar.prefetch.executor import SessionExecutor
 from kvsidecar.sidecar.prefetch.records import Record
 from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
 from kvsidecar.sidecar.prefetch.events import (Abort, ChunkDone, Demand, Finish, Policy, QueryDone, Replan,
                                                Start, State, Status, Tick)
 from kvsidecar.sidecar.prefetch.machine import Params, Session
-
-# cost_aware's ``waiting`` is taken up to this: a longer queue changes no decision (every read
-# already pays many times over), and the weight stays a small finite factor in every deadline
-MAX_WAITING = 4096
-
 
 class SessionManager(Service):
     def __init__(self, core: KVCore, tier: SessionTier | None, cfg, clock=time.monotonic,
@@ -293,6 +290,7 @@ class SessionManager(Service):
                "target": m.target, "planned": m.planned, "existed": existed}
         if rec.policy == Policy.COST_AWARE.value:
             out["waiting"] = rec.waiting  # (what its decisions weigh a block's prefill by: queue_aware)
+            out["held"] = round(rec.held, 3)  # (and the older requests still reading it would hold up: ahead_aware)
         if m.state == State.TERMINAL:
             lease = self.pool.result_of(rec.key, rec.id)
             out.update(status=m.status.value, prefix=m.prefix, reason=m.reason,
@@ -311,9 +309,13 @@ class SessionManager(Service):
         if rec.policy != Policy.COST_AWARE.value or self.tier is None:
             return outlook(rec, now, self.tier, self.cfg)
         pos = (rec.machine.next_pos if rec.machine is not None else 0) if start is None else start
+        more = ahead(rec, pos, now, self.by_id.values(), self.tier) if self.cfg.ahead_aware else Ahead()
+        if not self.cfg.queue_aware:
+            more = dataclasses.replace(more, held=0.0)
+        rec.held = more.held
         return outlook(rec, now, self.tier, self.cfg,
                        awaited=awaited_reads(rec.chain, pos, now, self.pool, self.tier, self.by_id.get),
-                       stale=self._unread >= STALE_AFTER)
+                       stale=self._unread >= STALE_AFTER, more=more)
 
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
