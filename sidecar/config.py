@@ -167,8 +167,8 @@ class SessionsConfig:
     # False: every request is planned as if it were alone (its own TTFT only).
     queue_aware: bool = True
     # ... and by the older requests of its engine still reading from L3 that would be ready while
-    # its prefill runs (the scan skips them until then, so they would wait for it to end).
-    # Only with queue_aware.
+    # its prefill runs (the scan skips them until then, so they would wait for the rest of it:
+    # each weighed by that share).  Only with queue_aware.
     ahead_aware: bool = True
 
 

@@ -7,8 +7,6 @@ manager's view) on the control thread; no state of their own.
 
 from __future__ import annotations
 
-import dataclasses
-
 from kvsidecar.shm.chain import length as chain_len
 from kvsidecar.sidecar.kv.admission import PoolManager
 from kvsidecar.sidecar.l3.interface import SessionTier, read_priority
@@ -21,33 +19,31 @@ STALE_AFTER = 3  # cost_aware sessions in a row that read nothing: the next plan
 
 
 def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tuple = (0, 0.0),
-            stale: bool = False, more: Ahead | None = None) -> Outlook | None:
+            stale: bool = False, held: float = 0.0) -> Outlook | None:
     """cost_aware's inputs now: the engine's ETA and prefill cost, this L3's read cost and
     the read-lane backlog ahead of the session's next chunk (None for other policies);
     ``awaited``: ``(awaited_to, awaited_at)`` of :func:`awaited_reads`.  ``stale``: the last
     ``STALE_AFTER`` cost_aware sessions read nothing and no read has ended since — the estimate
-    is planned on as it is, without :func:`pessimistic`'s margin (see there).  ``more``: what
-    the other sessions plan (:func:`ahead`): their unclaimed reads join the backlog, and the
-    older requests its prefill would hold up are weighed like the ``waiting`` the engine counts
-    behind it."""
+    is planned on as it is, without :func:`pessimistic`'s margin (see there).  ``held``: the
+    older requests still reading its prefill would hold up (:func:`held_ahead`), weighed like
+    the ``waiting`` the engine counts behind it."""
     if rec.policy != Policy.COST_AWARE.value:
         return None
     eta = now if rec.eta is None else rec.eta
-    more = more or Ahead()
-    waiting = min(rec.waiting + more.held, MAX_WAITING)
+    waiting = min(rec.waiting + held, MAX_WAITING)
     if tier is None:
         return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=cfg.load_s_per_block)
     look = tier.read_outlook(read_priority(rec.demanded, rec.id))
     est = look.estimate
     probe = cfg.probe_blocks if not est.measured and look.backlog_s == 0 else 0
     s_per_block = est.s_per_block if stale else pessimistic(est.s_per_block, tier)
-    backlog = look.backlog_s + more.planned_s
+    backlog = look.backlog_s
     if s_per_block >= block_saving(rec.prefill_s_per_block, cfg.load_s_per_block, waiting) and not rec.demanded:
         # restoring does not pay per block: a read is worth it only if it lands before the
         # prefill starts, and a queued request's read can still be overtaken by every read now
         # queued (an older session's next chunk, a request that becomes a candidate): plan
         # behind all of them, or a busy lane pushes the reads past the ETA and the request waits
-        backlog = max(backlog, tier.read_outlook(ALL_QUEUED).backlog_s + more.planned_all_s)
+        backlog = max(backlog, tier.read_outlook(ALL_QUEUED).backlog_s)
     return Outlook(eta, rec.prefill_s_per_block, est.latency_s, s_per_block,
                    backlog, cfg.load_s_per_block, probe, tier.query_s, unmeasured=not est.measured,
                    waiting=waiting, awaited_to=awaited[0], awaited_at=awaited[1])
@@ -58,73 +54,87 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tup
 MAX_WAITING = 4096
 
 
-@dataclasses.dataclass(frozen=True)
-class Ahead:
-    """What other sessions mean to do that one session's decision must count (:func:`ahead`)."""
+def held_ahead(rec: Record, pos: int, now: float, others, tier: SessionTier) -> float:
+    """The older requests of ``rec``'s engine still reading from L3 that ``rec``'s prefill would
+    hold up, each weighed by the share of that prefill it would wait for (``others``: the live
+    sessions, any order).  cost_aware adds it to the engine's ``waiting``.
 
-    held: float = 0.0  # older requests still reading its prefill would hold up (a share each)
-    planned_s: float = 0.0  # lane time of reads sessions ahead of it plan but have not claimed yet
-    planned_all_s: float = 0.0  # the same over every other session (a read planned behind them all)
+    The engine's scan skips a request whose prefetch still runs and admits the first ready one,
+    so a younger request that recomputes at an idle engine goes first, and the older ones, ready
+    a moment later, wait for the rest of its prefill.  ``waiting`` (the engine's count) holds
+    only the requests queued *behind* it; without these, a request arriving while two older ones
+    read found its own read would land after a prefill it could start now, recomputed, and held
+    both of them for ~150 ms each (the virtual sweep's 4K-prefix rows at 0.8 load, L3/prefill
+    0.4: p90 1.10x whole_task, the sweep's last four misses).
 
+    Such a request counts when it is older (a lower session id: the engine's queue order), of
+    the same group, not ended, has a read of its own in flight, and is expected to be ready
+    after ``rec``'s prefill of everything from ``pos`` could start (its ETA) and before it would
+    end -- one ready sooner is admitted first, one later is not held -- weighed by
+    ``(end - ready) / (end - start)``: restoring everything spares it exactly that wait, less
+    than the whole prefill a request queued behind waits (counted whole, as a first try did,
+    reads looked better-paying than they were: the sweep's 16K rows at L3/prefill 0.8 lost p90,
+    0.78 -> 0.94).  It is ready when the lane has done the claimed reads up to its priority and
+    then the reads every session up to that priority still plans (a session claims a window of
+    chunks at a time and the rest of its plan as those land: the lane's queue alone put an
+    older request 64 blocks into a 258-block read ready in 162 ms, where 660 were left).
 
-def ahead(rec: Record, pos: int, now: float, others, tier: SessionTier) -> Ahead:
-    """Two things the lane's queue does not show yet, from the other live sessions (``others``,
-    any order): the reads they plan but have not claimed, and the older requests of ``rec``'s
-    engine that ``rec``'s prefill would hold up.
-
-    **Planned reads.**  A session claims a window of chunks at a time; the rest of its plan
-    (:attr:`Session.planned` past ``next_pos``) is claimed as those land, at its own priority,
-    so it runs before every later read of a lower class or a younger session.  The lane's
-    backlog counts only what is claimed: a request arriving while an older one was 64 blocks
-    into a 258-block read saw 162 ms ahead of it where 660 were, and planned a read that
-    landed 500 ms after its own prefill would have (virtual sweep, 16K prefixes, L3/prefill
-    0.8).  ``planned_s``: those sessions' unclaimed plans ahead of ``rec``'s priority, at the
-    estimate's per-block cost; ``planned_all_s``: every other session's.
-
-    **Held.**  The engine's scan skips a request whose prefetch still runs and admits the first
-    ready one, so a younger request that recomputes at an idle engine goes first, and the older
-    ones, ready a moment later, wait for the rest of its prefill.  ``waiting`` (the engine's
-    count) holds only the requests queued *behind* it; without these, a request arriving while
-    two older ones read found its own read would land after a prefill it could start now,
-    recomputed, and held both of them for ~150 ms each (the virtual sweep's 4K-prefix rows at
-    0.8 load, L3/prefill 0.4: p90 1.10x whole_task, the sweep's last four misses).  Such a
-    request counts when it is older (a lower session id: the engine's queue order), of the same
-    group, not ended, has a read of its own in flight, and its reads (claimed and planned) are
-    expected to land after ``rec``'s prefill of everything from ``pos`` could start (its ETA)
-    and before it would end -- one that lands sooner is admitted first, one later is not held
-    -- weighed by the share of that prefill it would wait for, ``(end - ready) / (end - start)``:
-    restoring everything spares it exactly that wait, less than the whole prefill a request
-    queued behind waits (counted whole, reads looked better-paying than they were)."""
-    plans = []  # (priority, unclaimed blocks, record) of the sessions that will claim more
+    (Those planned reads are not added to ``rec``'s own backlog: that made the 72-row sweep's
+    rows better still, but cost_aware worse on the real table's streams in the model calibrated
+    with them -- p50 medians over seven streams 0.34 -> 0.42 and 0.40 -> 0.50 of the best other
+    arm at L3/prefill 1 under 0.9 load, streams over 1.03x 5 -> 11 on the six load rows -- so
+    the estimate a read is planned on stays the lane's queue.)"""
+    plans = []  # (priority, unclaimed blocks, record) of the sessions that may read
     for o in others:
-        if o is rec or o.machine is None or o.machine.state == State.TERMINAL:
-            continue
         m = o.machine
+        if o is rec or m is None or m.state not in (State.QUERYING, State.RUNNING, State.DRAINING):
+            continue
         unclaimed = max(0, m.planned - m.next_pos) if m.state == State.RUNNING else 0
         plans.append((read_priority(o.demanded, o.id), unclaimed, o))
     if not plans:
-        return Ahead()
-    plans.sort(key=lambda t: t[0])
+        return 0.0
+    plans.sort(key=lambda t: t[0])  # (priorities are per session: no ties)
     s_per_block = tier.read_outlook().estimate.s_per_block
-    mine = read_priority(rec.demanded, rec.id)
-    c = rec.prefill_s_per_block
-    remaining = chain_len(rec.chain) - pos
-    start = max(now, now if rec.eta is None else rec.eta)
-    span = remaining * c
-    end = start + span
-    held, cum, planned = 0.0, 0.0, 0.0
+    cum, older = 0.0, []
     for prio, unclaimed, o in plans:
         cum += unclaimed * s_per_block
-        if prio < mine:
-            planned = cum
-        if span <= 0 or o.id >= rec.id or o.key[0] != rec.key[0] or not o.chunks:
-            continue
-        if not any(io.reading for io in o.chunks.values()):
-            continue
-        ready = now + tier.read_outlook(prio).backlog_s + cum
-        if start < ready < end:
-            held += (end - ready) / span
-    return Ahead(held, planned, cum)
+        if o.id < rec.id and o.key[0] == rec.key[0] and any(io.reading for io in o.chunks.values()):
+            older.append((prio, cum))
+    return _held(rec, pos, now, older, tier)
+
+
+def _held(rec: Record, pos: int, now: float, older: list, tier: SessionTier) -> float:
+    """:func:`held_ahead` over ``older`` (``(priority, unclaimed lane seconds up to it)`` in
+    priority order).  When each is ready -- the lane's claimed work up to its priority, then the
+    unclaimed plans up to it -- grows with the priority (the tier's backlog never shrinks for a
+    later priority), so those ready within the prefill are one run of the list, found by
+    bisection: a few backlog queries per decision, not one per session (a scan polls every
+    queued request, and each poll re-plans)."""
+    c = rec.prefill_s_per_block
+    span = (chain_len(rec.chain) - pos) * c
+    if span <= 0 or not older:
+        return 0.0
+    start = max(now, now if rec.eta is None else rec.eta)
+    end = start + span
+
+    def ready(i: int) -> float:
+        prio, unclaimed_s = older[i]
+        return now + tier.read_outlook(prio).backlog_s + unclaimed_s
+
+    lo, hi = 0, len(older)
+    while lo < hi:  # the first one ready after the prefill could start
+        mid = (lo + hi) // 2
+        if ready(mid) <= start:
+            lo = mid + 1
+        else:
+            hi = mid
+    held = 0.0
+    for i in range(lo, len(older)):
+        r = ready(i)
+        if r >= end:
+            break
+        held += (end - r) / span
+    return held
 
 
 ALL_QUEUED = 1 << 62  # a read priority behind every queued read (see read_priority)

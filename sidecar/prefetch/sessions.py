@@ -23,7 +23,6 @@ block state is the pool manager's (``kvsidecar.sidecar.kv.admission.PoolManager`
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import time
 
@@ -36,8 +35,8 @@ from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.estimates import (MAX_WAITING, STALE_AFTER, Ahead, ahead, awaited_reads,
-                                                  drain_budget, outlook)
+from kvsidecar.sidecar.prefetch.estimates import (MAX_WAITING, STALE_AFTER, awaited_reads, drain_budget, held_ahead,
+                                                  outlook)
 from kvsidecar.sidecar.prefetch.executor import SessionExecutor
 from kvsidecar.sidecar.prefetch.records import Record
 from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
@@ -68,6 +67,7 @@ class SessionManager(Service):
                                         read_ended=self.evidence_landed)
         self._awaiting_evidence: set[int] = set()  # cost_aware sessions open for an L3 measurement
         self._unread = 0  # cost_aware sessions in a row that ended reading nothing, since an L3 read ended
+        self._active: set[int] = set()  # sessions that may read (querying, running, draining): estimates.held_ahead
 
     @property
     def counters(self) -> collections.Counter:
@@ -309,13 +309,11 @@ class SessionManager(Service):
         if rec.policy != Policy.COST_AWARE.value or self.tier is None:
             return outlook(rec, now, self.tier, self.cfg)
         pos = (rec.machine.next_pos if rec.machine is not None else 0) if start is None else start
-        more = ahead(rec, pos, now, self.by_id.values(), self.tier) if self.cfg.ahead_aware else Ahead()
-        if not self.cfg.queue_aware:
-            more = dataclasses.replace(more, held=0.0)
-        rec.held = more.held
+        if self.cfg.queue_aware and self.cfg.ahead_aware:
+            rec.held = held_ahead(rec, pos, now, (self.by_id[s] for s in self._active if s in self.by_id), self.tier)
         return outlook(rec, now, self.tier, self.cfg,
                        awaited=awaited_reads(rec.chain, pos, now, self.pool, self.tier, self.by_id.get),
-                       stale=self._unread >= STALE_AFTER, more=more)
+                       stale=self._unread >= STALE_AFTER, held=rec.held)
 
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
@@ -354,6 +352,10 @@ class SessionManager(Service):
             rec.sealed_at = self.clock()
             rec.events.append(("sealed", rec.sealed_at, rec.machine.reason or ""))
         self.executor.carry_out(rec, actions)
+        if rec.machine.state in (State.QUERYING, State.RUNNING, State.DRAINING):
+            self._active.add(rec.id)
+        else:
+            self._active.discard(rec.id)
         if rec.machine.awaiting_evidence:
             self._awaiting_evidence.add(rec.id)
         else:
@@ -435,6 +437,7 @@ class SessionManager(Service):
             tokens_per_block=self.core.layout.tokens_per_block, prefill_s_per_block=rec.prefill_s_per_block)
 
     def _forget(self, sid: int) -> None:
+        self._active.discard(sid)
         rec = self.by_id.pop(sid, None)
         if rec is not None:
             self.waits.forget(sid, lambda: self._view(rec))

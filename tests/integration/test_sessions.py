@@ -526,6 +526,8 @@ def test_waiting_reaches_a_cost_aware_session_and_a_bad_count_is_refused(sidecar
         assert c.poll("a")["waiting"] == 3 * on  # kept until the engine says otherwise
         views = c.poll_scan([("a", None, False, 0, 5), ("b", None, False, 0, 4)], step=1, until_ready=False)
         assert views[0]["waiting"] == 5 * on and "waiting" not in views[1]
+        # (and the older requests still reading it would hold up, ahead_aware: none is older than a)
+        assert views[0]["held"] == 0 and "held" not in views[1]
         for bad in (-1, 1.5, "3", True):
             with pytest.raises(RemoteError) as ei:
                 c.client.call("poll", req="a", waiting=bad)

@@ -14,7 +14,7 @@ from kvsidecar.sidecar.prefetch.cost import Outlook
 from kvsidecar.sidecar.prefetch.events import (Abort, ChunkDone, ChunkWithdrawn, Claim, Demand, Detach, Finish, IllegalEvent,
                                                Policy, Query, QueryDone, Replan, Start, State, Status, Tick)
 from kvsidecar.sidecar.prefetch.machine import Params, Session
-from tests.unit.sidecar.prefetch.test_executor import Bench, terminal
+from tests.unit.sidecar.prefetch.test_executor import Bench, Conn, terminal
 
 # regimes: one block costs 10 ms to prefill
 PREFILL = 0.010
@@ -1227,3 +1227,93 @@ def test_keep_admitted_weighs_the_wait_against_the_saving():
     assert cost.keep_admitted(o, 0.0, 0.010, 2)  # 10 ms to save 2 x PREFILL
     assert not cost.keep_admitted(o, 0.0, 0.080, 2)  # 80 ms to save 2 x PREFILL
     assert not cost.keep_admitted(ol(eta=0.0, regime=SLOW), 0.0, 0.2, 8)  # dearer per block and late
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_executor_cost_aware_weighs_the_older_reads_its_prefill_would_hold_up(aware):
+    """Two older requests of the engine read 20 blocks each (L3 0.4x prefill: ready in ~81 and
+    ~162 ms); a younger one arrives at the idle engine with 18 blocks of another prompt.  Its own
+    read would land behind theirs (~235 ms), after a prefill it could start now (180 ms), so on
+    its own TTFT it recomputes -- but the engine's scan, skipping the two while they read, would
+    admit it first, and both would wait for the rest of its prefill.  With ``ahead_aware`` the
+    session counts them (``held``: 99/180 + 18/180 of the prefill) and reads; without it, the
+    policy before, it ends ``cost`` at once.  Books exact either way."""
+    b = Bench(blocks=128, chunk_max_blocks=32, ahead_aware=aware)
+    b.tier.estimate = ReadEstimate(0.001, 0.004, 5)
+    cx, cz, cy = b.chain("x", 20), b.chain("z", 20), b.chain("y", 18)
+    for req, c in (("x", cx), ("z", cz)):
+        b.prefetch(req, c, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+        b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [20, 20]  # each reads its own, one chunk
+    b.prefetch("y", cy, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    view = b.poll("y")
+    if aware:
+        assert view["state"] != "terminal" and [len(r.keys) // 16 for r in b.tier.reads] == [20, 20, 18]
+        assert view["held"] == pytest.approx((0.180 - 0.081) / 0.180 + (0.180 - 0.162) / 0.180, abs=1e-3)
+        b.tier.run_all()
+        p = terminal(b, "y")
+        assert (p["status"], p["prefix"]) == ("complete", 18) and b.take("y", cy) == 18
+    else:
+        assert (view["state"], view["status"], view["prefix"], view["held"]) == ("terminal", "cost", 0, 0)
+        assert len(b.tier.reads) == 2
+        b.tier.run_all()
+        assert b.take("y", cy) == 0
+    assert b.take("x", cx) == 20 and b.take("z", cz) == 20
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+
+
+def test_executor_cost_aware_holds_no_one_whose_read_lands_after_its_prefill():
+    """Only an older request of the same engine that would be ready *during* the younger one's
+    prefill is held up by it.  Another engine's request (group ``h``: its own scheduler) reading
+    20 blocks, ready in ~81 ms, inside the younger one's 100 ms prefill, is not; an older request
+    of this engine whose 60-block read lands after it (~322 ms) is not.  So ``held`` is 0 and
+    the younger request recomputes, as it would alone (its own read would land in ~363 ms)."""
+    b = Bench(blocks=256, chunk_max_blocks=64)
+    b.tier.estimate = ReadEstimate(0.001, 0.004, 5)
+    other = Conn(group="h", slot=1)
+    b.loop.clients[1] = other
+    co, cx, cy = b.chain("o", 20), b.chain("x", 60), b.chain("y", 10)
+    b.prefetch("o", co, conn=other, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    b.prefetch("x", cx, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [20, 60]
+    assert b.poll("x")["held"] == 0  # (o is older, but of the other engine)
+    b.prefetch("y", cy, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    p = terminal(b, "y")
+    assert (p["status"], p["prefix"], p["held"]) == ("cost", 0, 0)
+    b.tier.run_all()
+    assert b.take("x", cx) == 60 and b.take("y", cy) == 0
+    got = b.core.op_get(other, {"chain": co, "req": "o"})  # (o's engine takes its own result)
+    assert got["count"] == 20
+    b.core.op_release(other, {"lease": got["lease"]})
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+
+
+def test_executor_cost_aware_counts_an_older_request_ready_when_its_whole_plan_has_landed():
+    """An older request reads 40 blocks a window (2 chunks of 4) at a time (L3 0.6x prefill: the
+    chunk does not grow): the lane holds 8 of them (~50 ms); the other 32 (~192 ms) are claimed
+    as those land.  It is ready when its whole plan has landed (~242 ms), after a younger
+    request's 10-block prefill (100 ms, the engine idle) would end, so that prefill holds it up
+    not at all: ``held`` 0, and the younger request, whose own read would land after its
+    prefill (~113 ms), recomputes.  Counting only the lane's queue, the older one would look
+    ready in ~50 ms, held half the prefill, and the younger one would read for it."""
+    b = Bench(blocks=128, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.001, 0.006, 5)
+    cx, cy = b.chain("x", 40), b.chain("y", 10)
+    b.prefetch("x", cx, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    assert [len(r.keys) // 16 for r in b.tier.reads] == [4, 4]
+    b.prefetch("y", cy, policy="cost_aware", prefill_s_per_block=0.01, eta_s=0.0)
+    b.tier.answer_lookups()
+    p = terminal(b, "y")
+    assert (p["status"], p["prefix"], p["held"]) == ("cost", 0, 0)
+    assert len(b.tier.reads) == 2
+    b.tier.run_all()
+    assert b.take("x", cx) == 40 and b.take("y", cy) == 0
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
