@@ -48,14 +48,17 @@ log = logging.getLogger("sglang_ttft")
 TIMEOUT_BUDGET = {"sessions.timeout_base_s": 0.2, "sessions.timeout_per_ki_token_s": 0.0,
                   "sessions.timeout_max_s": 0.2}
 ARMS = ("no_prefetch", "whole_task", "timeout", "cost_aware", "cost_aware_twin", "cost_aware_write_all",
-        "sglang_file")
+        "cost_aware_held_off", "sglang_file")
 # cost_aware_twin: cost_aware again, as a second arm of the same trials (--kvs-arms
 # cost_aware,cost_aware_twin): the A/A check of how far two identical arms drift apart; no verdict.
 # cost_aware_write_all: cost_aware with every store written behind to L3 however slow it is
 # (l3.write_behind_max_ratio = 0, the behaviour before the write-behind gate): the gate's A/B; no verdict
+# cost_aware_held_off: cost_aware not counting the older requests still reading that a prefill
+# would hold up (sessions.ahead_aware = false, the policy before it): its A/B; no verdict
 KVS_POLICY = {"whole_task": "wait_complete", "timeout": "timeout", "cost_aware": "cost_aware",
-              "cost_aware_twin": "cost_aware", "cost_aware_write_all": "cost_aware"}
-ARM_SIDECAR = {"timeout": TIMEOUT_BUDGET, "cost_aware_write_all": {"l3.write_behind_max_ratio": 0.0}}
+              "cost_aware_twin": "cost_aware", "cost_aware_write_all": "cost_aware", "cost_aware_held_off": "cost_aware"}
+ARM_SIDECAR = {"timeout": TIMEOUT_BUDGET, "cost_aware_write_all": {"l3.write_behind_max_ratio": 0.0},
+               "cost_aware_held_off": {"sessions.ahead_aware": False}}
 
 
 # -- pure parts (smoke-tested in the default suite) --------------------------------------------------
@@ -553,7 +556,8 @@ def main(argv=None) -> int:
     ap.add_argument("--setups", default="no_prefetch,sglang_file,kvsidecar", help="which servers (diagnosis)")
     ap.add_argument("--kvs-arms", default="whole_task,timeout,cost_aware",
                     help="kvsidecar arms, in order (cost_aware_twin: cost_aware again, an A/A check of the noise; "
-                         "cost_aware_write_all: cost_aware writing every store behind to L3, the gate's A/B)")
+                         "cost_aware_write_all: cost_aware writing every store behind to L3, the gate's A/B; "
+                         "cost_aware_held_off: cost_aware not counting the older requests it would hold up)")
     ap.add_argument("--chunk-max-blocks", type=int, default=8,
                     help="kvsidecar's chunk (bounds a stop's regret: 8 blocks = 128 KiB, 130 ms at 8 Mbit/s)")
     ap.add_argument("--shared-server", action="store_true",

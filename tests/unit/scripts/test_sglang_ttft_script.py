@@ -44,7 +44,7 @@ def test_rows_aggregate_trials_and_judge_cost_aware():
     doc = rows([_trial(1.0), _trial(1.1), _trial(0.9)], [2000, 80])
     assert [r["l3"]["bandwidth_mbps"] for r in doc] == [2000, 80]
     fast, slow = doc
-    assert set(fast["arms"]) == set(ARMS) - {"cost_aware_twin", "cost_aware_write_all"}  # (only when they ran)
+    assert set(fast["arms"]) == set(ARMS) - {"cost_aware_twin", "cost_aware_write_all", "cost_aware_held_off"}  # (only when they ran)
     assert fast["arms"]["no_prefetch"]["ttft_p50_ms"] == pytest.approx(100.0)
     assert fast["arms"]["cost_aware"]["trials"]["ttft_p50_ms"]["min"] == pytest.approx(83 * 0.9)
     assert fast["arms"]["whole_task"]["ttft_p90_ms"] == pytest.approx(percentile([80] * 9 + [160], 90))
@@ -81,7 +81,7 @@ def test_the_twin_arm_is_reported_beside_cost_aware_and_judges_nothing():
         t["no_prefetch"]["server_s"] = [{"entry": 0.002, "queue": 0.001, "prefill": 0.05, "rest": 0.001}] * 10
         t["cost_aware_twin@2000"]["server_s"] = [{"entry": 0.002, "queue": 0.001, "prefill": 0.06, "rest": 0.001}] * 10
     fast = rows(trials, [2000])[0]
-    assert set(fast["arms"]) == set(ARMS) - {"cost_aware_write_all"}
+    assert set(fast["arms"]) == set(ARMS) - {"cost_aware_write_all", "cost_aware_held_off"}
     assert fast["arms"]["cost_aware_twin"]["ttft_p50_ms"] == pytest.approx(500 * 1.05)
     assert verdicts(fast)["ttft_p50_ms"]["cost_aware"] == fast["arms"]["cost_aware"]["ttft_p50_ms"]
     assert verdicts(fast)["ttft_p50_ms"]["met"]
