@@ -49,6 +49,9 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tup
                    waiting=waiting, awaited_to=awaited[0], awaited_at=awaited[1])
 
 
+# a session in these states may have, or claim, a read on the lane (what :func:`held_ahead` looks at)
+MAY_READ = frozenset((State.QUERYING, State.RUNNING, State.DRAINING))
+
 # cost_aware's ``waiting`` is taken up to this: a longer queue changes no decision (every read
 # already pays many times over), and the weight stays a small finite factor in every deadline
 MAX_WAITING = 4096
@@ -87,7 +90,7 @@ def held_ahead(rec: Record, pos: int, now: float, others, tier: SessionTier) -> 
     plans = []  # (priority, unclaimed blocks, record) of the sessions that may read
     for o in others:
         m = o.machine
-        if o is rec or m is None or m.state not in (State.QUERYING, State.RUNNING, State.DRAINING):
+        if o is rec or m is None or m.state not in MAY_READ:
             continue
         unclaimed = max(0, m.planned - m.next_pos) if m.state == State.RUNNING else 0
         plans.append((read_priority(o.demanded, o.id), unclaimed, o))

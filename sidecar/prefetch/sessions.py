@@ -35,8 +35,8 @@ from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.estimates import (MAX_WAITING, STALE_AFTER, awaited_reads, drain_budget, held_ahead,
-                                                  outlook)
+from kvsidecar.sidecar.prefetch.estimates import (MAX_WAITING, MAY_READ, STALE_AFTER, awaited_reads, drain_budget,
+                                                  held_ahead, outlook)
 from kvsidecar.sidecar.prefetch.executor import SessionExecutor
 from kvsidecar.sidecar.prefetch.records import Record
 from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
@@ -67,7 +67,7 @@ class SessionManager(Service):
                                         read_ended=self.evidence_landed)
         self._awaiting_evidence: set[int] = set()  # cost_aware sessions open for an L3 measurement
         self._unread = 0  # cost_aware sessions in a row that ended reading nothing, since an L3 read ended
-        self._active: set[int] = set()  # sessions that may read (querying, running, draining): estimates.held_ahead
+        self._active: set[int] = set()  # sessions in estimates.MAY_READ (forgotten ones leave): estimates.held_ahead
 
     @property
     def counters(self) -> collections.Counter:
@@ -310,7 +310,7 @@ class SessionManager(Service):
             return outlook(rec, now, self.tier, self.cfg)
         pos = (rec.machine.next_pos if rec.machine is not None else 0) if start is None else start
         if self.cfg.queue_aware and self.cfg.ahead_aware:
-            rec.held = held_ahead(rec, pos, now, (self.by_id[s] for s in self._active if s in self.by_id), self.tier)
+            rec.held = held_ahead(rec, pos, now, (self.by_id[s] for s in self._active), self.tier)
         return outlook(rec, now, self.tier, self.cfg,
                        awaited=awaited_reads(rec.chain, pos, now, self.pool, self.tier, self.by_id.get),
                        stale=self._unread >= STALE_AFTER, held=rec.held)
@@ -352,7 +352,7 @@ class SessionManager(Service):
             rec.sealed_at = self.clock()
             rec.events.append(("sealed", rec.sealed_at, rec.machine.reason or ""))
         self.executor.carry_out(rec, actions)
-        if rec.machine.state in (State.QUERYING, State.RUNNING, State.DRAINING):
+        if rec.machine.state in MAY_READ:
             self._active.add(rec.id)
         else:
             self._active.discard(rec.id)
