@@ -37,6 +37,10 @@ class Model:
     prefill cost of ~34 ms per 1K tokens over a fixed ~30 ms (forward pass plus one decode step).
     The earlier 64-wide model cost ~6.5 ms per 1K tokens over the same fixed cost, below the 20-60
     ms the benchmark asks for: there a restore could save less than any storage round costs.
+
+    ``dtype``: the weights' and KV's type.  Those figures are bf16 on CPUs with native bf16
+    (AVX512-BF16 or AMX); without it torch emulates bf16 and the same prefill is ~4x slower
+    (:func:`default_dtype` picks float32 there; the KV blocks are then twice the bytes).
     """
 
     hidden: int = 256
@@ -45,13 +49,14 @@ class Model:
     kv_heads: int = 2
     intermediate: int = 2048
     vocab: int = 512
+    dtype: str = "bfloat16"
 
     def config(self) -> dict:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
                 "intermediate_size": self.intermediate, "num_attention_heads": self.heads,
                 "num_key_value_heads": self.kv_heads, "num_hidden_layers": self.layers, "vocab_size": self.vocab,
                 "max_position_embeddings": 16384, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+                "tie_word_embeddings": False, "torch_dtype": self.dtype, "bos_token_id": 1, "eos_token_id": 2}
 
     @property
     def head_dim(self) -> int:
@@ -59,8 +64,10 @@ class Model:
 
     @property
     def block_bytes(self) -> int:
-        """One kvsidecar block (all ranks): K and V of every layer for PAGE tokens, bf16."""
-        return self.layers * 2 * self.kv_heads * self.head_dim * 2 * PAGE
+        """One kvsidecar block (all ranks): K and V of every layer for PAGE tokens."""
+        from kvsidecar.shm.layout import DTYPE_BYTES
+
+        return self.layers * 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype] * PAGE
 
     def write(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
@@ -69,10 +76,33 @@ class Model:
 
     def sidecar_overrides(self, l3_dir: Path, **extra) -> dict:
         d = {"layout.model": "tiny", "layout.num_layers": self.layers, "layout.num_kv_heads": self.kv_heads,
-             "layout.tp_size": TP, "layout.head_dim": self.head_dim, "layout.dtype": "bfloat16",
+             "layout.tp_size": TP, "layout.head_dim": self.head_dim, "layout.dtype": self.dtype,
              "layout.tokens_per_block": PAGE, "pool.num_blocks": 4096, "l3.file_dir": str(l3_dir)}
         d.update(extra)
         return d
+
+
+def native_bf16(cpuinfo: str) -> bool:
+    """Whether a CPU whose ``/proc/cpuinfo`` text is ``cpuinfo`` computes bf16 natively (x86
+    AVX512-BF16 or AMX-BF16, Arm's BF16 extension: ``flags`` / ``Features``)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            if {"avx512_bf16", "amx_bf16", "bf16"} & set(value.split()):
+                return True
+    return False
+
+
+def default_dtype(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The benchmark model's dtype on this machine: bf16 where the CPU has it natively, else
+    float32 (emulated bf16 made the same prefill ~4x slower: a 2K-token recompute 431 ms against
+    ~100, the stream's arrivals then overloaded the server).  bf16 where the file is unreadable."""
+    try:
+        with open(cpuinfo_path) as f:
+            text = f.read()
+    except OSError:
+        return "bfloat16"
+    return "bfloat16" if native_bf16(text) else "float32"
 
 
 def http(port: int, path: str, body=None, method: str = "POST", timeout: float = 120):

@@ -279,7 +279,8 @@ class Bench:
 
     @property
     def server_args(self) -> tuple:
-        return ("--enable-metrics",) if self.server_times else ()
+        # SGLang's --dtype auto would turn a float32 config into a half type: the model's, always
+        return ("--dtype", self.model.dtype) + (("--enable-metrics",) if self.server_times else ())
 
     def __post_init__(self):
         self.model_dir = self.model.write(self.work / "model")
@@ -576,17 +577,21 @@ def main(argv=None) -> int:
                     help="whole trials run first and discarded (default: 1 when --trials > 1, else 0): the first "
                          "trial of a run was the slowest in 13 of 13 runs, its arms' median p50 1.1-2.6x the other "
                          "trials' (first server starts, cold caches), whichever arm it ran first")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="the model's weights and KV (auto: bf16 where the CPU has it natively, AVX512-BF16 / AMX, "
+                         "else float32: emulated bf16 made the prefill ~4x slower and overloaded the server)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every server
-    from scripts.sglang_server import ROOT, Model, clean_shm
+    from scripts.sglang_server import ROOT, Model, clean_shm, default_dtype
 
     speeds = [a.fast_mbps] if a.quick else [a.fast_mbps, a.slow_mbps]
     trials = a.trials or (1 if a.quick else 3)
     work = Path(a.work or ROOT / ".cache" / "sglang_ttft") / f"run-{os.getpid()}"
     work.mkdir(parents=True)
-    model = Model()
+    model = Model(dtype=default_dtype() if a.dtype == "auto" else a.dtype)
+    log.info("model dtype %s (%s)", model.dtype, "given" if a.dtype != "auto" else "this CPU's")
     bench = Bench(work, model, speeds, trials, {"requests": a.requests, "probes": a.probes}, tuple(a.setups.split(",")),
                   tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server, server_times=a.server_times,
                   timeline=a.timeline)

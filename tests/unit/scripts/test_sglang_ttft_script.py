@@ -215,3 +215,36 @@ def test_paired_phases_subtract_the_same_request_of_no_prefetch_in_the_same_tria
     # TTFT: cost_aware 120 / 240 (x scale) against no_prefetch 100 / 200 per request, paired in-trial
     assert ca["ttft"]["mean"] == pytest.approx((9 * 20 + 40 + 9 * 60 + 120) / 20)
     assert paired_phases(trials, 2000) == {}  # no stats at that speed
+
+
+def test_the_model_runs_bf16_only_where_the_cpu_computes_it_natively(tmp_path):
+    from scripts.sglang_server import Model, default_dtype, native_bf16
+
+    ice_lake = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\nmodel\t\t: 106\n"
+    sapphire = "flags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    graviton = "Features\t: fp asimd bf16 i8mm\n"
+    assert not native_bf16(ice_lake) and native_bf16(sapphire) and native_bf16(graviton)
+    assert not native_bf16("model name\t: avx512_bf16 in a name is not a flag\n")
+    for text, want in ((ice_lake, "float32"), (sapphire, "bfloat16")):
+        f = tmp_path / "cpuinfo"
+        f.write_text(text)
+        assert default_dtype(str(f)) == want
+    assert default_dtype(str(tmp_path / "missing")) == "bfloat16"  # unreadable: the model as sized
+    # the KV a block holds follows the dtype, in the sidecar's layout and in SGLang's config
+    bf16, fp32 = Model(), Model(dtype="float32")
+    assert fp32.block_bytes == 2 * bf16.block_bytes
+    assert fp32.config()["torch_dtype"] == "float32" and bf16.config()["torch_dtype"] == "bfloat16"
+    assert fp32.sidecar_overrides(tmp_path)["layout.dtype"] == "float32"
+
+
+def test_every_server_is_told_the_models_dtype(tmp_path):
+    from scripts.sglang_server import Model
+    from scripts.sglang_ttft import Bench
+
+    for dtype in ("bfloat16", "float32"):
+        b = Bench(tmp_path / dtype, Model(dtype=dtype), [2000.0], 1, {"requests": 4, "probes": 1}, ("no_prefetch",),
+                  ("cost_aware",), 8, False)
+        args = b.server_args
+        assert args[args.index("--dtype") + 1] == dtype
+        b.server_times = True
+        assert "--enable-metrics" in b.server_args and b.server_args[b.server_args.index("--dtype") + 1] == dtype
