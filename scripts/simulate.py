@@ -3,7 +3,7 @@ restoring prefixes through a real kvsidecar process under each prefetch policy a
 
     python -m scripts.simulate [--quick] [--json PATH] [--l3 file|mooncake|auto] [--requests N]
         [--load L] [--tp N] [--l3-mbps M] [--trials K] [--timeline]
-    python -m scripts.simulate --table [--requests 48 --trials 3] [--json PATH] [--plot FILE.png]
+    python -m scripts.simulate --table [--requests 48 --trials 3] [--twin] [--json PATH] [--plot FILE.png]
 
 (The wide policy sweep runs on the virtual-time simulator: ``python -m scripts.sim_sweep``.)
 
@@ -358,6 +358,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--timeline", action="store_true", help="keep each request's timeline in the JSON")
     p.add_argument("--table", action="store_true", help="the issue-22 table: L3/prefill 0.3, 1, 2 x idle, 0.9 x TP 2, 4")
+    p.add_argument("--twin", action="store_true",
+                   help="with --table: cost_aware again as cost_aware_twin in the same trials (an A/A check of the "
+                        "table's noise; reported, never judged)")
     p.add_argument("--rows", help="table: comma-separated row names to run (default all)")
     p.add_argument("--plot", help="table: write the TTFT CDFs and gap breakdowns here (PNG)")
     p.add_argument("--l3", choices=["file", "mooncake", "auto"], default="file",

@@ -42,6 +42,10 @@ TABLE_ARMS = {
     "cost_aware": dict(policy="cost_aware", chunk_max_blocks=CHUNK),
 }
 REPORTED = ("no_prefetch", "whole_task", "timeout", "best_effort", "cost_aware")
+# ``--twin``: cost_aware again, under another name, in the same trials (an A/A check: how far an
+# identical policy lands from cost_aware and from the best other arm by the table's noise alone);
+# reported beside the verdict, never judged and never among the "others"
+TWIN = "cost_aware_twin"
 P50_VS_OTHERS, P_VS_BOUND = 1.03, 1.15
 
 
@@ -72,6 +76,14 @@ def verdict(agg: dict) -> dict:
         out["arms"][name] = {"ttft_p50_ms": a["ttft_p50_ms"], "ttft_p90_ms": a["ttft_p90_ms"]}
     ca = rep["cost_aware"]
     sb = agg["serial_bound"]
+    if TWIN in arms:  # the A/A check: the twin judged as cost_aware is, and against cost_aware
+        tw = arms[TWIN]
+        out["twin"] = {}
+        for q in ("p50", "p90"):
+            key = f"ttft_{q}_ms"
+            best_other = min(_med(rep[n][key]) for n in REPORTED if n != "cost_aware")
+            out["twin"][f"{q}_vs_others"] = round(_med(tw[key]) / best_other, 3)
+            out["twin"][f"{q}_vs_cost_aware"] = round(_med(tw[key]) / _med(ca[key]), 3)
     met = True
     for q in ("p50", "p90"):
         key = f"ttft_{q}_ms"
@@ -110,8 +122,9 @@ def pooled_verdict(runs: list, timeout_arm: str, reps: int = 2000) -> dict:
     return out
 
 
-def run_table(requests: int, trials: int, only: set | None, l3: str = "file") -> dict:
+def run_table(requests: int, trials: int, only: set | None, l3: str = "file", twin: bool = False) -> dict:
     todo = [r for r in rows() if not only or r["name"] in only]
+    arm_table = dict(TABLE_ARMS, **{TWIN: TABLE_ARMS["cost_aware"]}) if twin else TABLE_ARMS
     pools, dirs, per_row = {}, {}, {r["name"]: [] for r in todo}
     tmp = tempfile.mkdtemp(prefix="kvsttft-")
     t0 = time.time()
@@ -125,7 +138,7 @@ def run_table(requests: int, trials: int, only: set | None, l3: str = "file") ->
                 res = simulate.simulate(True, row["l3_mbps"], None, l3=l3, prefix_tokens=PREFIX_TOKENS, requests=requests,
                                         load=row["load"], tp=tp, compute_ms_per_ktok=COMPUTE_MS_PER_KTOK,
                                         n_prefixes=N_PREFIXES, pool_blocks=POOL_BLOCKS, l3_latency_ms=LATENCY_MS,
-                                        timeline=True, arm_table=TABLE_ARMS, pool=pools[tp],
+                                        timeline=True, arm_table=arm_table, pool=pools[tp],
                                         l3_dir=dirs[tp] if l3 == "file" else None, seed=11)
                 res["estimator_error"] = res["arms"]["cost_aware"]["l3"].get("cost", {}).get("error")
                 res["wall_s"] = round(time.time() - t0, 1)
@@ -186,9 +199,22 @@ def print_summary(out: dict) -> None:
         if pv:
             print(f"  on every request: {'MET' if pv['met'] else 'MISSED'}"
                   f"{'' if pv['met_ci'] == pv['met'] else ' (not over the whole interval)'}")
+        tw = v.get("twin")
+        if tw:
+            a = row["aggregate"]["arms"][TWIN]
+            print(f"  A/A {TWIN} p50 {f(a['ttft_p50_ms'], 1)}  p90 {f(a['ttft_p90_ms'], 1)}: "
+                  f"p50 {tw['p50_vs_others']:.3f}x best other, {tw['p50_vs_cost_aware']:.3f}x cost_aware; "
+                  f"p90 {tw['p90_vs_others']:.3f}x, {tw['p90_vs_cost_aware']:.3f}x (reported, not judged)")
         simulate.ttft_bounds.print_gaps(row["timeline_trial"]["arms"])
     met = sum(r["verdict"]["met"] for r in out["rows"])
     print(f"\ntarget met on {met} of {len(out['rows'])} rows (medians of per-trial figures)")
+    twins = [r["verdict"]["twin"] for r in out["rows"] if r["verdict"].get("twin")]
+    if twins:
+        within = sum(t["p50_vs_others"] <= P50_VS_OTHERS and t["p90_vs_others"] <= P50_VS_OTHERS for t in twins)
+        print(f"A/A: the twin (cost_aware again) within {P50_VS_OTHERS}x the best other arm at p50 and p90 on "
+              f"{within} of {len(twins)} rows; its p50 / p90 over cost_aware's "
+              f"{min(t['p50_vs_cost_aware'] for t in twins):.3f}..{max(t['p50_vs_cost_aware'] for t in twins):.3f} / "
+              f"{min(t['p90_vs_cost_aware'] for t in twins):.3f}..{max(t['p90_vs_cost_aware'] for t in twins):.3f}")
     pooled = [r["pooled"] for r in out["rows"] if r.get("pooled")]
     if pooled:
         print(f"target met on {sum(p['met'] for p in pooled)} of {len(pooled)} rows on every request's figures "
@@ -197,7 +223,7 @@ def print_summary(out: dict) -> None:
 
 def main(args) -> int:
     only = set(args.rows.split(",")) if args.rows else None
-    out = run_table(args.requests or 48, max(1, args.trials), only, l3=args.l3)
+    out = run_table(args.requests or 48, max(1, args.trials), only, l3=args.l3, twin=args.twin)
     print_summary(out)
     if args.json:
         write_json(args.json, out, indent=1, default=str)

@@ -42,3 +42,25 @@ def test_every_request_verdict_misses_a_slower_cost_aware_and_reports_its_interv
     lo, hi = p["p50"]["vs_others_ci90"]
     assert lo == pytest.approx(1.05) and hi == pytest.approx(1.05)  # 5 % slower in every trial: every resample too
     assert pooled_verdict([{"arms": {}, "bounds_ms": {"serial": []}}], "timeout_short") == {}
+
+
+def test_the_twin_is_reported_beside_the_verdict_and_never_judged(capsys):
+    from scripts.ttft_table import TWIN, print_summary
+
+    runs = [_run(s, [10.0] * 9 + [50.0], [9.5] * 9 + [45.0]) for s in (1.0, 1.2, 0.9)]
+    alone = verdict(_agg(runs))
+    for r in runs:  # the twin: 20 % slower at p50, as fast at p90, in every trial
+        xs = [12.0 * (r["arms"]["no_prefetch"]["ttft_p50_ms"] / 10.0)] * 9 + [r["arms"]["no_prefetch"]["ttft_p90_ms"]]
+        r["arms"][TWIN] = {"ttft_ms": xs, "ttft_p50_ms": sorted(xs)[5], "ttft_p90_ms": sorted(xs)[9]}
+    v = verdict(_agg(runs))
+    assert v["met"] == alone["met"] and v["arms"] == alone["arms"]  # not among the others, not judged
+    assert v["p50_vs_others"] == alone["p50_vs_others"] and v["p90_vs_others"] == alone["p90_vs_others"]
+    assert v["twin"] == {"p50_vs_others": 1.2, "p50_vs_cost_aware": 1.2, "p90_vs_others": 1.0, "p90_vs_cost_aware": 1.0}
+    assert "twin" not in alone
+    agg = _agg(runs)
+    row = {"name": "r", "l3_mbps": 100.0, "aggregate": dict(agg, rates={"ratio": [1.0]}, oracle=agg["serial_bound"]), "verdict": v,
+           "pooled": {}, "timeline_trial": {"arms": {}}}
+    print_summary({"requests": 10, "trials": 3, "wall_s": 1.0, "rows": [row]})
+    out = capsys.readouterr().out
+    assert "A/A cost_aware_twin" in out and "1.200x best other, 1.200x cost_aware" in out
+    assert "A/A: the twin (cost_aware again) within 1.03x the best other arm at p50 and p90 on 0 of 1 rows" in out
