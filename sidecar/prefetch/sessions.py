@@ -190,6 +190,8 @@ class SessionManager(Service):
         now = self.clock()
         if rec.eta is None or rec.eta > now:
             rec.eta = now  # a scheduling candidate: its prefill could start now
+        if rec.machine.state == State.TERMINAL:
+            return  # (the machine ignores it: no outlook to build, nothing to carry out -- the scan's path)
         self._run(rec, rec.machine.handle(Demand(now, self._outlook(rec, now), admitted=admitted)))
 
     def op_abort(self, conn, msg) -> dict:
@@ -421,7 +423,9 @@ class SessionManager(Service):
             if self._unread == STALE_AFTER:
                 self._counters["cost_estimate_stale"] += 1
         self.host.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
-        self.observer.session_ended(self._outcome(rec, a, now))
+        # observed after the replies of this pass (metrics, log line, write-behind gate): not on
+        # the path of the request whose session ended, nor of the ranks' ops behind it
+        self.host.post(self.observer.session_ended, self._outcome(rec, a, now))
 
     def _outcome(self, rec: Record, a: Finish, now: float) -> SessionOutcome:
         m = rec.machine

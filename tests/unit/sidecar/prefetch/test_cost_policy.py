@@ -1317,3 +1317,35 @@ def test_executor_cost_aware_counts_an_older_request_ready_when_its_whole_plan_h
     assert b.take("x", cx) == 40 and b.take("y", cy) == 0
     s = b.books()
     assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+
+
+def test_a_session_ended_at_its_start_is_observed_after_the_pass_and_its_scan_plans_nothing():
+    """Idle engine, 32 blocks resident and a 2-block tail in an L3 dearer per block than prefill:
+    the session ends at its start (`cost`, prefix 32; nothing is read, not even queried).  The
+    observers (metrics, the log line, the write-behind gate) see it once the loop runs what was
+    posted -- after the replies of the pass it ended in, not on the path of the ops behind it --
+    and exactly once.  The engine's scan that then demands it (a poll with demand and an ETA of
+    now, from every rank) plans nothing: no outlook is built (the tier's estimates are not
+    asked), and the view is the same terminal one."""
+    b = Bench(blocks=512, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.002, 0.010, 10)
+    seen = []
+    b.sm.observer = type("Seen", (), {"session_ended": lambda self, o: seen.append((o.status, o.prefix))})()
+    c = b.chain("r", 34)
+    b.resident(c, 32)
+    v = b.sm.op_prefetch(b.conn, {"req": "r", "chain": c, "policy": "cost_aware", "prefill_s_per_block": 0.0032,
+                                  "eta_s": 0.0})
+    assert (v["state"], v["status"], v["prefix"]) == ("terminal", "cost", 32)
+    assert seen == [] and b.tier.lookups == []  # (ended at its start: no L3 query)
+    b.loop.settle()
+    assert seen == [("cost", 32)]
+    asked = []
+    look = b.tier.read_outlook
+    b.tier.read_outlook = lambda *a, **k: (asked.append(a), look(*a, **k))[1]
+    for rank in range(2):
+        p = b.sm.op_poll(Conn(rank=rank, size=2), {"req": "r", "demand": True, "eta_s": 0.0, "waiting": 0})
+        assert {k: p[k] for k in ("state", "status", "prefix")} == {"state": "terminal", "status": "cost", "prefix": 32}
+    assert asked == [] and b.sm.records[("g", "r", 0)].demanded
+    b.loop.settle()
+    assert seen == [("cost", 32)]
+    assert b.take("r", c) == 32 and b.books()["leases"] == 0
