@@ -550,6 +550,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=None)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--probes", type=int, default=4, help="hit probes per arm and trial (cold, then a hit)")
+    ap.add_argument("--mean-gap-ms", type=float, default=150.0,
+                    help="the stream's mean Poisson inter-arrival gap (sized for a 2K-token prefill of ~100 ms; "
+                         "scale it with this machine's: a slower CPU at 150 ms overloads no_prefetch's queue)")
     ap.add_argument("--fast-mbps", type=float, default=2000.0, help="L3 faster than recompute")
     ap.add_argument("--slow-mbps", type=float, default=8.0,
                     help="L3 slower than recompute (a 16 KiB block: ~16 ms, against ~0.5 ms to recompute its 16 tokens)")
@@ -592,7 +595,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True)
     model = Model(dtype=default_dtype() if a.dtype == "auto" else a.dtype)
     log.info("model dtype %s (%s)", model.dtype, "given" if a.dtype != "auto" else "this CPU's")
-    bench = Bench(work, model, speeds, trials, {"requests": a.requests, "probes": a.probes}, tuple(a.setups.split(",")),
+    wl_args = {"requests": a.requests, "probes": a.probes, "mean_gap_s": a.mean_gap_ms / 1e3}
+    bench = Bench(work, model, speeds, trials, wl_args, tuple(a.setups.split(",")),
                   tuple(a.kvs_arms.split(",")), a.chunk_max_blocks, a.shared_server, server_times=a.server_times,
                   timeline=a.timeline)
     warmup = a.warmup if a.warmup is not None else (1 if trials > 1 else 0)
@@ -612,7 +616,8 @@ def main(argv=None) -> int:
             log.info("removed %.0f MiB of L3 / file-tier data under %s (logs kept)", freed / 2**20, work)
     doc = {"rows": rows(results, speeds), "probe": probe_table(results), "pool_hit": pool_hit_verdict(results),
            "trials": results, "warmup_trials": warmup,
-           "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests}
+           "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests,
+           "mean_gap_ms": a.mean_gap_ms}
     for row in doc["rows"]:
         row["verdict"] = verdicts(row)
         row["paired"] = paired(results, row["l3"]["bandwidth_mbps"])
