@@ -1,7 +1,8 @@
 """TTFT through genuine SGLang (CPU, TP=2): kvsidecar's policies against HiCache without storage
 and SGLang's own ``file`` storage backend.
 
-    .sglang-venv/bin/python -m scripts.sglang_ttft [--quick] [--trials K] --json FILE
+    .sglang-venv/bin/python -m scripts.sglang_ttft [--quick] [--trials K] [--dtype auto|bfloat16|float32]
+        [--mean-gap-ms MS] --json FILE
 
 Slow (server starts of 30-90 s each): not in the default suite.  Per trial, in an order that
 rotates between trials (interleaved), one server per storage set-up:
