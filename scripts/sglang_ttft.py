@@ -418,7 +418,7 @@ class Bench:
                "server_s": [r.server_s for r in replies] if any(r.server_s for r in replies) else None,
                "stream_l3_blocks": {k: puts1[k] - puts0.get(k, 0) for k in puts1}}
         # the hit probe: cold, then after SGLang's flush a storage hit (kvsidecar: its pool)
-        cold, hit, ok, hit_storage = [], [], True, []
+        cold, hit, ok, hit_storage, hit_server = [], [], True, [], []
         for j, p in enumerate(wl.probes):
             flush_cache(port)
             base = count()
@@ -431,9 +431,12 @@ class Bench:
             res["timeline"][f"{tag}-probe{j}-cold"] = [round(a.sent_at, 6), round(a.ttft_s, 6)]
             res["timeline"][f"{tag}-probe{j}-hit"] = [round(b.sent_at, 6), round(b.ttft_s, 6)]
             hit_storage.append(b.storage_tokens)
+            hit_server.append(b.server_s)
             ok = ok and a.output_ids == b.output_ids
         res["probe"] = {"cold_ms": [round(x * 1e3, 2) for x in cold], "hit_ms": [round(x * 1e3, 2) for x in hit],
                         "hit_storage_tokens": hit_storage, "outputs_match": ok}
+        if any(hit_server):  # SGLang's own phases of each hit (--server-times)
+            res["probe"]["hit_server_s"] = hit_server
         return res
 
     @staticmethod
