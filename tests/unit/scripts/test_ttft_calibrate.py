@@ -138,3 +138,15 @@ def test_every_timed_trial_is_replayed_with_its_own_rates():
     assert dear > 1.5 * one
     assert _pct(virtual_ttfts(row, 8, trial=1)["no_prefetch"], 0.5) == one
     assert virtual_row(row, 8)["no_prefetch"]["virtual_p50_ms"] == one  # the median over the three trials
+
+
+def test_the_real_runs_own_a_a_error_is_the_twins_p50_over_cost_awares():
+    """``--twin`` tables: the twin's median p50 over cost_aware's, the same trials; None without a
+    twin (or a zero p50), so older tables print as before."""
+    from scripts.ttft_calibrate import real_aa
+
+    def row(arms):
+        return {"aggregate": {"arms": {a: {"ttft_p50_ms": {"median": v}} for a, v in arms.items()}}}
+    assert real_aa(row({"cost_aware": 10.0, "cost_aware_twin": 11.4})) == pytest.approx(1.14)
+    assert real_aa(row({"cost_aware": 10.0, "no_prefetch": 9.0})) is None
+    assert real_aa(row({"cost_aware": 0.0, "cost_aware_twin": 3.0})) is None
