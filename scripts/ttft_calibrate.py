@@ -199,13 +199,20 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True,
     another draw of the same shape) through the virtual model with the row's measured rates
     and fixed costs (``jitter``: the control path's drawn from their samples, :func:`cost_samples`,
     with the draws numbered ``draw``).  ``trial``: the rates and fixed costs of that timed trial
-    (:func:`timed_trials`); None: the rates' medians over trials and the first trial's costs."""
-    run = timed_trials(row)[trial or 0]
+    (:func:`timed_trials`); None: the rates' medians over trials and the first trial's costs.  The
+    prefill rate is recomputed from the trials' requests (``ttft_bounds.prefill_rate``: without
+    the rank skew the model adds per admission), so a table written before that is replayed alike."""
+    runs = timed_trials(row)
+    run = runs[trial or 0]
     if trial is None:
         agg = row["aggregate"]
         rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
+        measured = [c for c in (ttft_bounds.prefill_rate(r["arms"], 64) for r in runs) if c]
+        if measured:
+            rates["compute_s_per_block"] = statistics.median(measured)
     else:
         rates = {k: v for k, v in run["rates"].items() if k != "nominal"}
+        rates["compute_s_per_block"] = ttft_bounds.prefill_rate(run["arms"], 64) or rates["compute_s_per_block"]
     lay = simulate.make_layout(row["tp"])
     base = dict(row_stream_args(row, requests), seed=seed)
     stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)

@@ -150,3 +150,39 @@ def test_the_real_runs_own_a_a_error_is_the_twins_p50_over_cost_awares():
     assert real_aa(row({"cost_aware": 10.0, "cost_aware_twin": 11.4})) == pytest.approx(1.14)
     assert real_aa(row({"cost_aware": 10.0, "no_prefetch": 9.0})) is None
     assert real_aa(row({"cost_aware": 0.0, "cost_aware_twin": 3.0})) is None
+
+
+def _prefills(skew_ms):
+    """Two recomputing requests of a modelled 3.125 ms a block, each ending ``skew_ms`` late on its
+    slowest rank, and a pool hit (no block recomputed: not a prefill sample)."""
+    return {"no_prefetch": {"results": [
+        {"recomputed_tokens": 128, "prefill_ms": 6.25 + skew_ms, "rank_skew_ms": skew_ms, "restored_tokens": 0},
+        {"recomputed_tokens": 640, "prefill_ms": 31.25 + skew_ms, "rank_skew_ms": skew_ms, "restored_tokens": 0},
+        {"recomputed_tokens": 32, "prefill_ms": 1.0, "rank_skew_ms": 0.0, "restored_tokens": 2048}]}}
+
+
+def test_the_prefill_rate_leaves_the_groups_rank_skew_out():
+    """The skew is a cost per request (the virtual model adds it per admission): in the rate too it
+    was paid twice, and spread per block.  No recomputed block: None."""
+    from scripts.ttft_bounds import prefill_rate
+
+    assert prefill_rate(_prefills(0.7), 64) == pytest.approx(3.125e-3)
+    assert prefill_rate(_prefills(0.0), 64) == pytest.approx(3.125e-3)
+    assert prefill_rate({"a": {"results": [{"recomputed_tokens": 32, "prefill_ms": 1.0}]}}, 64) is None
+
+
+def test_a_trial_is_replayed_with_the_prefill_rate_its_requests_measured():
+    """A table's stored rate included the skew (3.3 ms a block here): the replay takes the rate
+    from the trial's own requests (3.125), the same as a table whose stored rate was right."""
+    from scripts.ttft_calibrate import virtual_ttfts
+
+    def row(stored_c):
+        t = {"arms": _prefills(0.7), "rates": {"compute_s_per_block": stored_c, "copy_s_per_block": 1e-5,
+                                                "l3_s_per_block": 0.003, "l3_latency_s": 0.001}}
+        arms = {a: {"ttft_p50_ms": {"median": 100.0}} for a in ("no_prefetch", "cost_aware")}
+        return {"name": "r1-idle-tp2", "tp": 2, "load": 0.0, "timeline_trial": t, "more_trials": [],
+                "aggregate": {"rates": {"compute_s_per_block": {"median": stored_c}, "copy_s_per_block": 1e-5,
+                                        "l3_s_per_block": 0.003, "l3_latency_s": 0.001}, "arms": arms}}
+    for trial in (None, 0):
+        inflated = virtual_ttfts(row(3.3e-3), 8, trial=trial, jitter=False)["no_prefetch"]
+        assert inflated == virtual_ttfts(row(3.125e-3), 8, trial=trial, jitter=False)["no_prefetch"]
