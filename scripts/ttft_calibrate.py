@@ -204,21 +204,22 @@ def virtual_ttfts(row: dict, requests: int, seed: int = 11, jitter: bool = True,
     the rank skew the model adds per admission), so a table written before that is replayed alike."""
     runs = timed_trials(row)
     run = runs[trial or 0]
+    lay = simulate.make_layout(row["tp"])
+    T = lay.tokens_per_block
     if trial is None:
         agg = row["aggregate"]
         rates = {k: trials_mod.median(v) for k, v in agg["rates"].items() if k != "nominal"}
-        measured = [c for c in (ttft_bounds.prefill_rate(r["arms"], 64) for r in runs) if c]
+        measured = [c for c in (ttft_bounds.prefill_rate(r["arms"], T) for r in runs) if c]
         if measured:
             rates["compute_s_per_block"] = statistics.median(measured)
     else:
         rates = {k: v for k, v in run["rates"].items() if k != "nominal"}
-        rates["compute_s_per_block"] = ttft_bounds.prefill_rate(run["arms"], 64) or rates["compute_s_per_block"]
-    lay = simulate.make_layout(row["tp"])
+        rates["compute_s_per_block"] = ttft_bounds.prefill_rate(run["arms"], T) or rates["compute_s_per_block"]
     base = dict(row_stream_args(row, requests), seed=seed)
     stream = ttft_bounds.keyed_stream(simulate.stream_of(base), lay)
     arrivals = {rid: arr for arr, rid, _ in stream}
     c = rates["compute_s_per_block"]
-    p = sv.SimParams(tp=row["tp"], tokens_per_block=64, requests=requests, compute_s_per_block=c,
+    p = sv.SimParams(tp=row["tp"], tokens_per_block=T, requests=requests, compute_s_per_block=c,
                      copy_s_per_block=rates["copy_s_per_block"], l3_ratio=rates["l3_s_per_block"] / c,
                      l3_latency_s=rates["l3_latency_s"], pool_blocks=POOL_BLOCKS)
     out = {}
