@@ -56,6 +56,7 @@ ARMS = ("no_prefetch", "whole_task", "timeout", "cost_aware", "cost_aware_twin",
 # (l3.write_behind_max_ratio = 0, the behaviour before the write-behind gate): the gate's A/B; no verdict
 # cost_aware_held_off: cost_aware not counting the older requests still reading that a prefill
 # would hold up (sessions.ahead_aware = false, the policy before it): its A/B; no verdict
+SETUPS = ("no_prefetch", "sglang_file", "kvsidecar")  # the servers a trial runs (--setups)
 KVS_POLICY = {"whole_task": "wait_complete", "timeout": "timeout", "cost_aware": "cost_aware",
               "cost_aware_twin": "cost_aware", "cost_aware_write_all": "cost_aware", "cost_aware_held_off": "cost_aware"}
 ARM_SIDECAR = {"timeout": TIMEOUT_BUDGET, "cost_aware_write_all": {"l3.write_behind_max_ratio": 0.0},
@@ -267,7 +268,7 @@ class Bench:
     speeds: list
     trials: int
     wl_args: dict
-    setups: tuple = ("no_prefetch", "sglang_file", "kvsidecar")
+    setups: tuple = SETUPS
     kvs_arms: tuple = ("whole_task", "timeout", "cost_aware")
     chunk_max_blocks: int = 0  # kvsidecar sessions' chunk (0: the sidecar's default, 128 blocks)
     shared_server: bool = False  # one SGLang server for every kvsidecar arm of a trial (faster, not independent)
@@ -589,6 +590,10 @@ def main(argv=None) -> int:
                          "else float32: emulated bf16 made the prefill ~4x slower and overloaded the server)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    for flag, given, known in (("--setups", a.setups, SETUPS), ("--kvs-arms", a.kvs_arms, tuple(KVS_POLICY))):
+        unknown = [x for x in given.split(",") if x not in known]
+        if unknown:  # a misspelt name would otherwise run a trial with that set-up silently left out
+            ap.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every server
     from scripts.sglang_server import ROOT, Model, clean_shm, default_dtype

@@ -3,6 +3,7 @@ minutes: ``.sglang-venv/bin/python -m scripts.sglang_ttft --quick --json FILE``)
 
 import pytest
 
+import scripts.sglang_ttft as st
 from scripts.sglang_ttft import (ARMS, make_workload, paired, paired_phases, percentile, pooled, print_table, rows,
                                  summarize, verdicts)
 
@@ -248,3 +249,13 @@ def test_every_server_is_told_the_models_dtype(tmp_path):
         assert args[args.index("--dtype") + 1] == dtype
         b.server_times = True
         assert "--enable-metrics" in b.server_args and b.server_args[b.server_args.index("--dtype") + 1] == dtype
+
+
+@pytest.mark.parametrize("flag, value", [("--setups", "none,kvsidecar"), ("--kvs-arms", "cost_aware,costaware")])
+def test_an_unknown_setup_or_arm_is_refused_before_any_server_starts(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        st.main([flag, value, "--json", str(tmp_path / "x.json"), "--work", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown" in err and value.split(",")[-1 if flag == "--kvs-arms" else 0] in err
+    assert not list(tmp_path.iterdir())  # no run folder, no JSON: nothing started
