@@ -3,6 +3,17 @@
 Stand-ins outside the L2<->L3 path, as measured in ../shared/sglang-cpu: host pools without pinned
 memory (no CUDA driver here), ``transfer_kv_direct`` as plain torch index copies, and no NCCL
 communicator for TP>1 (the gloo group does the all-reduce).  ``sgl_kernel`` is a sibling stand-in.
+
+One setting for SGLang's CPU attention, not a stand-in: torch flushes denormal floats to zero
+(``torch.set_flush_denormal``, set as torch is imported, before any worker thread exists).
+SGLang's ``torch_native`` backend pads an extend's query to the whole sequence with
+``torch.empty`` and computes attention over the padding rows too; where the recycled memory
+holds denormals, the x86 slow path makes that attention ~50x slower (measured here, one
+2,048-token sequence, 8 heads: 2.2-4.0 s against 77 ms).  It stalled 1-3 of every 8 storage
+hits after ``/flush_cache`` by 0.4-0.7 s, for kvsidecar and SGLang's ``file`` backend alike
+(py-spy: rank 1 inside ``scaled_dot_product_attention`` while rank 0 waited in the all-reduce).
+Padding rows are discarded, so outputs do not change (the benchmark checks them against a cold
+run).
 """
 
 import importlib.abc
@@ -16,7 +27,9 @@ def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_s
 
 
 def _patch(name, module):
-    if name == "sglang.srt.mem_cache.pool_host.base":
+    if name == "torch":
+        module.set_flush_denormal(True)
+    elif name == "sglang.srt.mem_cache.pool_host.base":
         cls = module.HostKVCache
         orig = cls.__init__
 
@@ -48,7 +61,7 @@ def _patch(name, module):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    targets = {"sglang.srt.mem_cache.pool_host.base", "sglang.srt.mem_cache.memory_pool_host",
+    targets = {"torch", "sglang.srt.mem_cache.pool_host.base", "sglang.srt.mem_cache.memory_pool_host",
                "sglang.srt.mem_cache.pool_host.mha", "sglang.srt.distributed.device_communicators.pynccl"}
 
     def find_spec(self, fullname, path, target=None):
