@@ -12,8 +12,8 @@ holds denormals, the x86 slow path makes that attention ~50x slower (measured he
 2,048-token sequence, 8 heads: 2.2-4.0 s against 77 ms).  It stalled 1-3 of every 8 storage
 hits after ``/flush_cache`` by 0.4-0.7 s, for kvsidecar and SGLang's ``file`` backend alike
 (py-spy: rank 1 inside ``scaled_dot_product_attention`` while rank 0 waited in the all-reduce).
-Padding rows are discarded, so outputs do not change (the benchmark checks them against a cold
-run).
+Here only the discarded padding rows hold such values; the benchmark still checks every arm's
+outputs against a cold run's (whose server flushes them too).
 """
 
 import importlib.abc

@@ -20,5 +20,5 @@ def _probe(pythonpath: str | None) -> str:
 
 def test_a_server_process_flushes_denormals_from_torchs_import_on():
     assert _probe(None) == ["False", "False"]  # (the probe can tell: a plain interpreter keeps them)
-    # a product with a denormal operand is zero, as is a denormal read back; nothing else changes
+    # a product with a denormal operand is zero, as is a denormal read back
     assert _probe(str(STANDINS)) == ["True", "True"]
