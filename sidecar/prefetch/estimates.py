@@ -16,17 +16,29 @@ from kvsidecar.sidecar.prefetch.records import Record
 
 
 STALE_AFTER = 3  # cost_aware sessions in a row that read nothing: the next plans without the error margin
+# ... and after this many, one session explores: it may probe L3 (``Outlook.probe_blocks``) where
+# the estimate says no read pays.  Each exploration doubles the count the next one waits for (up to
+# EXPLORE_MAX); a read on the estimate (not a probe) brings it back to EXPLORE_AFTER.
+EXPLORE_AFTER = 6
+EXPLORE_MAX = 192
+# ... with a probe of one block: it holds the request at most one block's prefill (measured at
+# L3/prefill 1, idle, with the 4 blocks of an unmeasured tier's probe: +7 to +20 ms on each of the
+# three requests in 48 that explored, against a 9 ms pool hit)
+EXPLORE_BLOCKS = 1
 
 
 def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tuple = (0, 0.0),
-            stale: bool = False, held: float = 0.0) -> Outlook | None:
+            stale: bool = False, held: float = 0.0, explore: bool = False) -> Outlook | None:
     """cost_aware's inputs now: the engine's ETA and prefill cost, this L3's read cost and
     the read-lane backlog ahead of the session's next chunk (None for other policies);
     ``awaited``: ``(awaited_to, awaited_at)`` of :func:`awaited_reads`.  ``stale``: the last
     ``STALE_AFTER`` cost_aware sessions read nothing and no read has ended since — the estimate
     is planned on as it is, without :func:`pessimistic`'s margin (see there).  ``held``: the
     older requests still reading its prefill would hold up (:func:`held_ahead`), weighed like
-    the ``waiting`` the engine counts behind it."""
+    the ``waiting`` the engine counts behind it.  ``explore``: the session explores (see
+    :data:`EXPLORE_AFTER`): with the read lane idle it may probe as if the estimate had no
+    evidence (a measured estimate only stops planning on its own reads where a probe of its
+    blocks would not pay)."""
     if rec.policy != Policy.COST_AWARE.value:
         return None
     eta = now if rec.eta is None else rec.eta
@@ -35,7 +47,9 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tup
         return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=cfg.load_s_per_block)
     look = tier.read_outlook(read_priority(rec.demanded, rec.id))
     est = look.estimate
-    probe = cfg.probe_blocks if not est.measured and look.backlog_s == 0 else 0
+    probe = 0
+    if look.backlog_s == 0:
+        probe = cfg.probe_blocks if not est.measured else min(EXPLORE_BLOCKS, cfg.probe_blocks) if explore else 0
     s_per_block = est.s_per_block if stale else pessimistic(est.s_per_block, tier)
     backlog = look.backlog_s
     if s_per_block >= block_saving(rec.prefill_s_per_block, cfg.load_s_per_block, waiting) and not rec.demanded:
@@ -182,7 +196,18 @@ def pessimistic(s_per_block: float, tier: SessionTier) -> float:
     So once ``STALE_AFTER`` cost_aware sessions in a row read nothing (``outlook``'s ``stale``),
     the next plans on the estimate alone: near break-even it reads, and that read corrects the
     estimate or confirms it (at most one such read in every ``STALE_AFTER + 1`` requests, each
-    costing no more than the margin it ignored)."""
+    costing no more than the margin it ignored).
+
+    Planning on the estimate alone does not help where the estimate itself is what is wrong: two
+    2-block tails slowed in a row to 5.9 and 8.4 ms by a busy CPU (tails take 3.5 ms) read as a
+    change of regime, the estimate became 3.2 ms a block against a prefill of 3.1, and the last
+    15 requests of the run recomputed their tails; in another run the tails were never read
+    (real table ``table40``, r0.3-idle-tp2: cost_aware p50 1.25x the best other arm).  So after
+    :data:`EXPLORE_AFTER` such sessions one explores (``outlook``'s ``explore``): it probes the
+    tail where no read pays on the estimate, and a probe holds the request at most as long as
+    recomputing the probed blocks takes (``Session.probe_deadline``).  Explorations back off
+    (each doubles the wait for the next) while the estimate was right, so where no read pays they
+    cost a few requests a probe's wait each."""
     err = tier.read_cost_error
     return s_per_block * (1.0 + min(1.0, max(0.0, err)))
 

@@ -35,8 +35,8 @@ from kvsidecar.sidecar.observe.outcome import SessionObserver, SessionOutcome
 from kvsidecar.sidecar.observe.sessionlog import SessionLog
 from kvsidecar.sidecar.service import DEFERRED, OpError, Service
 from kvsidecar.sidecar.prefetch.cost import Outlook
-from kvsidecar.sidecar.prefetch.estimates import (MAX_WAITING, MAY_READ, STALE_AFTER, awaited_reads, drain_budget,
-                                                  held_ahead, outlook)
+from kvsidecar.sidecar.prefetch.estimates import (EXPLORE_AFTER, EXPLORE_MAX, MAX_WAITING, MAY_READ, STALE_AFTER,
+                                                  awaited_reads, drain_budget, held_ahead, outlook)
 from kvsidecar.sidecar.prefetch.executor import SessionExecutor
 from kvsidecar.sidecar.prefetch.records import Record
 from kvsidecar.sidecar.prefetch.waits import SessionWaits, satisfied
@@ -67,6 +67,8 @@ class SessionManager(Service):
                                         read_ended=self.evidence_landed)
         self._awaiting_evidence: set[int] = set()  # cost_aware sessions open for an L3 measurement
         self._unread = 0  # cost_aware sessions in a row that ended reading nothing, since an L3 read ended
+        self._explore_after = EXPLORE_AFTER  # ... before the next one explores (estimates.EXPLORE_AFTER)
+        self._explorer: int | None = None  # the session exploring now (one at a time)
         self._active: set[int] = set()  # sessions in estimates.MAY_READ (forgotten ones leave): estimates.held_ahead
 
     @property
@@ -135,6 +137,11 @@ class SessionManager(Service):
             rec.eta = now + msg["eta_s"] if msg.get("eta_s") is not None else None
             rec.prefill_s_per_block = msg.get("prefill_s_per_block") or c.prefill_s_per_block
             self._take_waiting(rec, msg)
+            if self._explorer is None and self._unread >= self._explore_after and not msg.get("fixed_hit"):
+                # (not an engine that waits for the whole hit it was told: it would wait for the probe)
+                self._explorer = sid
+                self._explore_after = min(2 * self._explore_after, EXPLORE_MAX)
+                self._counters["cost_explorations"] += 1
         params = Params(policy, total, resident, chunk, c.window, deadline,
                         checkpoint_every=msg.get("checkpoint_every") or 0,
                         checkpoints=frozenset(msg.get("checkpoints") or ()), outlook=self._outlook(rec, now, resident),
@@ -315,7 +322,7 @@ class SessionManager(Service):
             rec.held = held_ahead(rec, pos, now, (self.by_id[s] for s in self._active), self.tier)
         return outlook(rec, now, self.tier, self.cfg,
                        awaited=awaited_reads(rec.chain, pos, now, self.pool, self.tier, self.by_id.get),
-                       stale=self._unread >= STALE_AFTER, held=rec.held)
+                       stale=self._unread >= STALE_AFTER, held=rec.held, explore=rec.id == self._explorer)
 
     def _trigger(self, rec: Record, why: str) -> None:
         if rec.trigger_at is None and rec.machine.state != State.TERMINAL:
@@ -422,6 +429,10 @@ class SessionManager(Service):
             self._unread += 1  # it decided on the estimate and read nothing: no evidence came of it
             if self._unread == STALE_AFTER:
                 self._counters["cost_estimate_stale"] += 1
+        if rec.id == self._explorer:
+            self._explorer = None
+        elif rec.policy == Policy.COST_AWARE.value and rec.chunk_times and rec.machine.probe_chunk < 0:
+            self._explore_after = EXPLORE_AFTER  # it read on the estimate: explorations need not back off
         self.host.call_at(now + self.cfg.retained_ttl_s, self._forget, rec.id)
         # observed after the replies of this pass (metrics, log line, write-behind gate): not on
         # the path of the request whose session ended, nor of the ranks' ops behind it
@@ -442,6 +453,8 @@ class SessionManager(Service):
 
     def _forget(self, sid: int) -> None:
         self._active.discard(sid)
+        if self._explorer == sid:  # (ended without a terminal step of its own: never, but not held forever)
+            self._explorer = None
         rec = self.by_id.pop(sid, None)
         if rec is not None:
             self.waits.forget(sid, lambda: self._view(rec))

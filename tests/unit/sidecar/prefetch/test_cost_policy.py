@@ -671,6 +671,55 @@ def test_executor_cost_aware_does_not_starve_its_estimate_behind_the_error_margi
     assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
 
 
+def _tail_request(b: Bench, name: str, **kw) -> tuple:
+    """A request at an idle engine: 32 blocks resident, a 2-block tail in L3; (status, prefix)."""
+    c = b.chain(name, 34)
+    b.resident(c, 32)
+    b.prefetch(name, c, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0, **kw)
+    b.tier.answer_lookups()
+    b.tier.run_all()
+    p = terminal(b, name)
+    assert b.take(name, c) == p["prefix"]
+    return p["status"], p["prefix"]
+
+
+def test_executor_cost_aware_explores_where_its_estimate_says_no_read_pays():
+    """The estimate itself is wrong (4 ms a block, dearer than the 3.2 ms prefill, where a tail is
+    read in 2 ms): no tail's read pays on it, with or without the error margin, so no read comes
+    to correct it.  After EXPLORE_AFTER requests in a row that read nothing one explores: it
+    queries and probes one block of its tail (prefix 33; the next block still does not pay on the
+    estimate); its read resets the count and doubles the wait for the next exploration (12 more),
+    and so on.  A read on the estimate (once it says reads pay) brings the wait back to
+    EXPLORE_AFTER.  Books balanced throughout."""
+    from kvsidecar.sidecar.prefetch.estimates import EXPLORE_AFTER
+
+    b = Bench(blocks=1024, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.0016, 0.004, 10)
+    b.tier.query_s = 0.0021
+    got = [_tail_request(b, f"r{i}") for i in range(EXPLORE_AFTER + 1 + 2 * EXPLORE_AFTER + 1)]
+    miss, probe = ("cost", 32), ("cost", 33)
+    assert got == [miss] * EXPLORE_AFTER + [probe] + [miss] * (2 * EXPLORE_AFTER) + [probe]
+    assert b.sm.counters["cost_explorations"] == 2 and b.tier.blocks_read == 2
+    b.tier.estimate = ReadEstimate(0.0016, 0.0012, 10)  # corrected: every tail is read on it
+    assert _tail_request(b, "s0") == ("complete", 34)
+    b.tier.estimate = ReadEstimate(0.0016, 0.004, 10)  # dear again: the wait is EXPLORE_AFTER again
+    got = [_tail_request(b, f"t{i}") for i in range(EXPLORE_AFTER + 1)]
+    assert got == [miss] * EXPLORE_AFTER + [probe] and b.sm.counters["cost_explorations"] == 3
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+
+
+def test_executor_cost_aware_never_explores_for_an_engine_that_waits_for_its_whole_hit():
+    """``fixed_hit`` (SGLang): the engine waits for every block it was told it would get, so a
+    probe would hold it for the whole read; such sessions never explore, however many in a row
+    read nothing."""
+    b = Bench(blocks=1024, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.0016, 0.004, 10)
+    b.tier.query_s = 0.0021
+    got = [_tail_request(b, f"r{i}", fixed_hit=True) for i in range(20)]
+    assert got == [("cost", 32)] * 20 and b.sm.counters["cost_explorations"] == 0 and b.tier.blocks_read == 0
+
+
 @pytest.mark.parametrize("awaits", [True, False])
 def test_executor_cost_aware_awaits_the_blocks_another_session_reads(awaits, monkeypatch):
     """A request arriving while an earlier one reads their shared prefix from L3 awaits that read
