@@ -22,8 +22,8 @@ STALE_AFTER = 3  # cost_aware sessions in a row that read nothing: the next plan
 EXPLORE_AFTER = 6
 EXPLORE_MAX = 192
 # ... with a probe of one block: it holds the request at most one block's prefill (measured at
-# L3/prefill 1, idle, with the 4 blocks of an unmeasured tier's probe: +7 to +20 ms on each of the
-# three requests in 48 that explored, against a 9 ms pool hit)
+# L3/prefill 1, idle, against no_prefetch on the same request: +4 to +6 ms on each of the three
+# requests in 48 that explored; with the 4 blocks of an unmeasured tier's probe, +7 to +15 ms)
 EXPLORE_BLOCKS = 1
 
 
@@ -36,9 +36,8 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tup
     is planned on as it is, without :func:`pessimistic`'s margin (see there).  ``held``: the
     older requests still reading its prefill would hold up (:func:`held_ahead`), weighed like
     the ``waiting`` the engine counts behind it.  ``explore``: the session explores (see
-    :data:`EXPLORE_AFTER`): with the read lane idle it may probe as if the estimate had no
-    evidence (a measured estimate only stops planning on its own reads where a probe of its
-    blocks would not pay)."""
+    :data:`EXPLORE_AFTER`): with the read lane idle it may probe :data:`EXPLORE_BLOCKS` blocks
+    where no read pays on the estimate, as a session probes a tier not yet measured."""
     if rec.policy != Policy.COST_AWARE.value:
         return None
     eta = now if rec.eta is None else rec.eta
