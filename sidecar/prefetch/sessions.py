@@ -429,7 +429,7 @@ class SessionManager(Service):
             self._unread += 1  # it decided on the estimate and read nothing: no evidence came of it
             if self._unread == STALE_AFTER:
                 self._counters["cost_estimate_stale"] += 1
-        if rec.id == self._explorer:
+        if rec.id == self._explorer:  # (every session ends here, an aborted one too: it never stays the explorer)
             self._explorer = None
         elif rec.policy == Policy.COST_AWARE.value and rec.chunk_times and rec.machine.probe_chunk < 0:
             self._explore_after = EXPLORE_AFTER  # it read on the estimate: explorations need not back off
@@ -453,8 +453,6 @@ class SessionManager(Service):
 
     def _forget(self, sid: int) -> None:
         self._active.discard(sid)
-        if self._explorer == sid:  # (ended without a terminal step of its own: never, but not held forever)
-            self._explorer = None
         rec = self.by_id.pop(sid, None)
         if rec is not None:
             self.waits.forget(sid, lambda: self._view(rec))
