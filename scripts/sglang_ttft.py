@@ -3,6 +3,7 @@ and SGLang's own ``file`` storage backend.
 
     .sglang-venv/bin/python -m scripts.sglang_ttft [--quick] [--trials K] [--dtype auto|bfloat16|float32]
         [--mean-gap-ms MS] --json FILE
+    python -m scripts.sglang_ttft --combine RUN1.json RUN2.json ... --json FILE   (no server: pools runs)
 
 Slow (server starts of 30-90 s each): not in the default suite.  Per trial, in an order that
 rotates between trials (interleaved), one server per storage set-up:
@@ -588,8 +589,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                     help="the model's weights and KV (auto: bf16 where the CPU has it natively, AVX512-BF16 / AMX, "
                          "else float32: emulated bf16 made the prefill ~4x slower and overloaded the server)")
+    ap.add_argument("--combine", nargs="+", metavar="RUN.json",
+                    help="run nothing: pool the trials of these runs' JSONs (same workload and model) and write "
+                         "every figure recomputed over them to --json")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    if a.combine:
+        try:
+            return main_combine(a.combine, a.json)
+        except CombineError as exc:
+            ap.error(str(exc))
     for flag, given, known in (("--setups", a.setups, SETUPS), ("--kvs-arms", a.kvs_arms, tuple(KVS_POLICY))):
         unknown = [x for x in given.split(",") if x not in known]
         if unknown:  # a misspelt name would otherwise run a trial with that set-up silently left out
@@ -623,16 +632,71 @@ def main(argv=None) -> int:
         if not a.keep_data:
             freed = prune_tier_data(work)
             log.info("removed %.0f MiB of L3 / file-tier data under %s (logs kept)", freed / 2**20, work)
+    doc = report(results, speeds, {"warmup_trials": warmup, "model": dataclasses.asdict(model),
+                                   "block_bytes": model.block_bytes, "requests": a.requests,
+                                   "mean_gap_ms": a.mean_gap_ms})
+    write_json(a.json, doc, indent=1)
+    print_table(doc)
+    return 0
+
+
+def report(results: list, speeds: list, meta: dict) -> dict:
+    """The JSON document of a run (or of several combined): every figure is computed from
+    ``results`` (the trials), ``meta`` is carried as it is."""
     doc = {"rows": rows(results, speeds), "probe": probe_table(results), "pool_hit": pool_hit_verdict(results),
-           "trials": results, "warmup_trials": warmup,
-           "model": dataclasses.asdict(model), "block_bytes": model.block_bytes, "requests": a.requests,
-           "mean_gap_ms": a.mean_gap_ms}
+           "trials": results, **meta}
     for row in doc["rows"]:
         row["verdict"] = verdicts(row)
         row["paired"] = paired(results, row["l3"]["bandwidth_mbps"])
         row["pooled"] = pooled(results, row["l3"]["bandwidth_mbps"])
         row["paired_phases"] = paired_phases(results, row["l3"]["bandwidth_mbps"])
-    write_json(a.json, doc, indent=1)
+    return doc
+
+
+# what must agree for trials of several runs to be pooled: the same stream and model
+COMBINE_KEYS = ("requests", "mean_gap_ms", "model", "block_bytes")
+
+
+class CombineError(ValueError):
+    """Runs that cannot be pooled (another workload or model), or a file that is not a run's JSON."""
+
+
+def combine(docs: list, names: list) -> dict:
+    """One document over the trials of several runs' JSONs (``docs``, from files ``names``): a 5 %
+    question needs more trials than one run of minutes gives (two identical arms drifted 12 %
+    apart over 8 trials here), so the runs' trials are pooled and every figure recomputed from
+    them, exactly as a run computes its own.  Trial ``k`` of every run streams the same workload
+    (seed ``1000 + k``); runs must agree on :data:`COMBINE_KEYS`, or :class:`CombineError`.
+    The rows are the L3 speeds any run measured (fastest first)."""
+    if not docs:
+        raise CombineError("nothing to combine")
+    for name, d in zip(names, docs):
+        if not isinstance(d, dict) or not isinstance(d.get("trials"), list) or not d["trials"]:
+            raise CombineError(f"{name}: not a scripts.sglang_ttft JSON with trials")
+        for k in COMBINE_KEYS:
+            if d.get(k) != docs[0].get(k):
+                raise CombineError(f"{name}: {k} {d.get(k)!r} differs from {names[0]}'s {docs[0].get(k)!r}: "
+                                   "another workload or model, its trials do not pool")
+    trials = [t for d in docs for t in d["trials"]]
+    speeds = sorted({float(k.rsplit("@", 1)[1]) for t in trials for k in t if "@" in k}, reverse=True)
+    meta = {k: docs[0].get(k) for k in COMBINE_KEYS}
+    meta["combined_from"] = [{"file": str(n), "trials": len(d["trials"])} for n, d in zip(names, docs)]
+    return report(trials, speeds, meta)
+
+
+def main_combine(files: list, out: str) -> int:
+    import json
+
+    docs = []
+    for f in files:
+        try:
+            with open(f) as fh:
+                docs.append(json.load(fh))
+        except (OSError, ValueError) as exc:
+            raise CombineError(f"{f}: {exc}") from None
+    doc = combine(docs, files)
+    write_json(out, doc, indent=1)
+    print(f"{len(doc['trials'])} trials from {len(files)} runs")
     print_table(doc)
     return 0
 

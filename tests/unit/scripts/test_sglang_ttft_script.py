@@ -259,3 +259,59 @@ def test_an_unknown_setup_or_arm_is_refused_before_any_server_starts(flag, value
     err = capsys.readouterr().err
     assert "unknown" in err and value.split(",")[-1 if flag == "--kvs-arms" else 0] in err
     assert not list(tmp_path.iterdir())  # no run folder, no JSON: nothing started
+
+
+def _run_doc(scales, mean_gap_ms=400.0):
+    """A run's JSON as main() writes it, over trials of :func:`_trial` with hit probes."""
+    trials = []
+    for s in scales:
+        t = _trial(s)
+        for key, arm in t.items():
+            arm["probe"] = {"cold_ms": [200.0 * s], "hit_ms": [(100.0 if "@" in key else 190.0) * s],
+                            "hit_storage_tokens": [0 if key == "no_prefetch" else 2048], "outputs_match": True}
+        trials.append(t)
+    return st.report(trials, [2000.0, 80.0], {"warmup_trials": 1, "model": {"hidden": 8}, "block_bytes": 4096,
+                                              "requests": 10, "mean_gap_ms": mean_gap_ms})
+
+
+def test_combine_pools_the_trials_of_several_runs_and_recomputes_every_figure():
+    """A 5 % question needs more trials than one run gives: ``--combine`` pools runs' trials and
+    recomputes every figure from them, as one run with all those trials would."""
+    a, b = _run_doc([1.0, 1.1]), _run_doc([0.9])
+    doc = st.combine([a, b], ["a.json", "b.json"])
+    whole = _run_doc([1.0, 1.1, 0.9])
+    assert doc["rows"] == whole["rows"] and doc["probe"] == whole["probe"] and doc["pool_hit"] == whole["pool_hit"]
+    assert [r["l3"]["bandwidth_mbps"] for r in doc["rows"]] == [2000.0, 80.0]  # every speed a run measured
+    assert doc["rows"][0]["pooled"]["ttft_p50_ms"]["n_trials"] == 3
+    assert doc["rows"][0]["paired"]["ttft_p50_ms"]["n"] == 3
+    assert doc["combined_from"] == [{"file": "a.json", "trials": 2}, {"file": "b.json", "trials": 1}]
+    assert doc["requests"] == 10 and doc["mean_gap_ms"] == 400.0 and len(doc["trials"]) == 3
+
+
+def test_combine_refuses_runs_that_do_not_pool():
+    a = _run_doc([1.0])
+    with pytest.raises(st.CombineError, match="mean_gap_ms"):
+        st.combine([a, _run_doc([1.0], mean_gap_ms=150.0)], ["a.json", "b.json"])
+    with pytest.raises(st.CombineError, match="b.json: not a scripts.sglang_ttft JSON"):
+        st.combine([a, {"rows": []}], ["a.json", "b.json"])
+    with pytest.raises(st.CombineError):
+        st.combine([], [])
+
+
+def test_combine_from_the_command_line_writes_the_pooled_document(tmp_path, capsys):
+    import json
+
+    fa, fb, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    fa.write_text(json.dumps(_run_doc([1.0, 1.1])))
+    fb.write_text(json.dumps(_run_doc([0.9])))
+    assert st.main(["--combine", str(fa), str(fb), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["trials"]) == 3 and doc["rows"] == json.loads(json.dumps(_run_doc([1.0, 1.1, 0.9])["rows"]))
+    assert "3 trials from 2 runs" in capsys.readouterr().out
+    for bad in (tmp_path / "missing.json", out.with_name("broken.json")):
+        if bad.name == "broken.json":
+            bad.write_text("{")
+        with pytest.raises(SystemExit) as exc:
+            st.main(["--combine", str(fa), str(bad), "--json", str(tmp_path / "x.json")])
+        assert exc.value.code == 2 and bad.name in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
