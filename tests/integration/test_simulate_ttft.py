@@ -26,6 +26,8 @@ def test_quick_real_process_run_has_timelines_bounds_and_exact_data():
     ca = res["arms"]["cost_aware"]["results"]
     names = {e[0] for r in ca for e in r["events"]}
     assert {"created", "terminal"} <= names  # the session's own events came back with poll
+    # (the poll is sent ahead of the commit, not waited for: every answer was still read)
+    assert all(r["status"] not in ("none", "unknown") and r["events"] for r in ca)
     assert all(not r["events"] for r in res["arms"]["no_prefetch"]["results"])
     rates = res["rates"]
     assert rates["compute_s_per_block"] > 0 and rates["l3_s_per_block"] > 0
