@@ -46,9 +46,11 @@ def outlook(rec: Record, now: float, tier: SessionTier | None, cfg, awaited: tup
         return Outlook(eta, rec.prefill_s_per_block, 0.0, 1.0, load_s_per_block=cfg.load_s_per_block)
     look = tier.read_outlook(read_priority(rec.demanded, rec.id))
     est = look.estimate
-    probe = 0
-    if look.backlog_s == 0:
-        probe = cfg.probe_blocks if not est.measured else min(EXPLORE_BLOCKS, cfg.probe_blocks) if explore else 0
+    probe = 0  # (only with the read lane idle)
+    if look.backlog_s == 0 and not est.measured:
+        probe = cfg.probe_blocks  # a tier not measured yet: the probe is how the estimate is learnt
+    elif look.backlog_s == 0 and explore:
+        probe = min(EXPLORE_BLOCKS, cfg.probe_blocks)  # the estimate itself may be what is wrong
     s_per_block = est.s_per_block if stale else pessimistic(est.s_per_block, tier)
     backlog = look.backlog_s
     if s_per_block >= block_saving(rec.prefill_s_per_block, cfg.load_s_per_block, waiting) and not rec.demanded:
