@@ -67,7 +67,11 @@ class SessionManager(Service):
                                         read_ended=self.evidence_landed)
         self._awaiting_evidence: set[int] = set()  # cost_aware sessions open for an L3 measurement
         self._unread = 0  # cost_aware sessions in a row that ended reading nothing, since an L3 read ended
-        self._explore_after = EXPLORE_AFTER  # ... before the next one explores (estimates.EXPLORE_AFTER)
+        # ... and since the last exploration began: the next one explores after _explore_after of
+        # them (estimates.EXPLORE_AFTER).  Not _unread: an exploration whose query finds nothing
+        # in L3 reads nothing, so _unread stayed past the cap and every later session explored
+        self._quiet = 0
+        self._explore_after = EXPLORE_AFTER
         self._explorer: int | None = None  # the session exploring now (one at a time)
         self._active: set[int] = set()  # sessions in estimates.MAY_READ (forgotten ones leave): estimates.held_ahead
 
@@ -137,9 +141,10 @@ class SessionManager(Service):
             rec.eta = now + msg["eta_s"] if msg.get("eta_s") is not None else None
             rec.prefill_s_per_block = msg.get("prefill_s_per_block") or c.prefill_s_per_block
             self._take_waiting(rec, msg)
-            if self._explorer is None and self._unread >= self._explore_after and not msg.get("fixed_hit"):
+            if self._explorer is None and self._quiet >= self._explore_after and not msg.get("fixed_hit"):
                 # (not an engine that waits for the whole hit it was told: it would wait for the probe)
                 self._explorer = sid
+                self._quiet = 0
                 self._explore_after = min(2 * self._explore_after, EXPLORE_MAX)
                 self._counters["cost_explorations"] += 1
         params = Params(policy, total, resident, chunk, c.window, deadline,
@@ -389,7 +394,7 @@ class SessionManager(Service):
         """An L3 read ended (a session's, a detached probe's, the tier's calibration at start):
         once the estimate is measured, the sessions that were waiting for it re-plan (oldest
         first: the read lane's order).  Control thread."""
-        self._unread = 0  # the estimate has new evidence (stale: see estimates.pessimistic)
+        self._unread = self._quiet = 0  # the estimate has new evidence (stale: see estimates.pessimistic)
         if not self._awaiting_evidence or self.tier is None or not self.tier.read_outlook().estimate.measured:
             return
         now = self.clock()
@@ -427,6 +432,7 @@ class SessionManager(Service):
         self._counters["restored_blocks"] += rec.restored
         if rec.policy == Policy.COST_AWARE.value and a.status == Status.COST and not rec.chunk_times:
             self._unread += 1  # it decided on the estimate and read nothing: no evidence came of it
+            self._quiet += 1
             if self._unread == STALE_AFTER:
                 self._counters["cost_estimate_stale"] += 1
         if rec.id == self._explorer:  # (every session ends here, an aborted one too: it never stays the explorer)

@@ -709,6 +709,41 @@ def test_executor_cost_aware_explores_where_its_estimate_says_no_read_pays():
     assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
 
 
+def test_executor_cost_aware_explorations_back_off_when_l3_holds_nothing():
+    """Pool hits whose tail L3 does not hold (a follow-up turn: its new blocks were never
+    stored): an exploration's query answers "no hit", nothing is read, no evidence comes.  The
+    wait for the next exploration still counts from this one and doubles up to EXPLORE_MAX --
+    it once counted from the last L3 read, so past EXPLORE_MAX sessions in a row every request
+    explored, each held for the L3 query an idle engine would not wait for (a long-running
+    server with a warm pool: 1,308 of 1,500 pool hits in a row waited for it)."""
+    from kvsidecar.sidecar.prefetch.estimates import EXPLORE_AFTER, EXPLORE_MAX
+
+    b = Bench(blocks=1024, chunk_max_blocks=4)
+    b.tier.estimate = ReadEstimate(0.0016, 0.004, 10)
+    b.tier.query_s = 0.0021
+    waits, w = [], EXPLORE_AFTER
+    while len(waits) < 7:
+        waits.append(w)
+        w = min(2 * w, EXPLORE_MAX)
+    expected = []
+    for w in waits:
+        expected += [("cost", 32)] * w + [("no_hit", 32)]
+    got = []
+    for i in range(len(expected)):
+        c = b.chain(f"r{i}", 32) + b.chain(f"r{i}-new", 2, in_l3=False)
+        b.resident(c, 32)
+        b.prefetch(f"r{i}", c, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0)
+        b.tier.answer_lookups()
+        b.tier.run_all()
+        p = terminal(b, f"r{i}")
+        got.append((p["status"], p["prefix"]))
+        assert b.take(f"r{i}", c) == p["prefix"]
+    assert [i for i, g in enumerate(got) if g != ("cost", 32)] == [i for i, g in enumerate(expected) if g != ("cost", 32)]
+    assert got == expected and b.sm.counters["cost_explorations"] == len(waits) and b.tier.blocks_read == 0
+    s = b.books()
+    assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
+
+
 def test_executor_cost_aware_never_explores_for_an_engine_that_waits_for_its_whole_hit():
     """``fixed_hit`` (SGLang): the engine waits for every block it was told it would get, so a
     probe would hold it for the whole read; such sessions never explore, however many in a row
