@@ -4,8 +4,9 @@
 The loop's stats publisher (``kvsidecar.sidecar.runtime.builtins``) writes them, with the stats,
 into the control segment's seqlocked blob (``kvsidecar.shm.control``) — never per request, at most
 every ``transport.stats_interval_ms`` after work.  The read-only inspector renders what is
-published and never sends a request.  Tables are bounded (``MAX_ROWS`` each, oldest first, with
-the total count beside them) so the blob always fits its region.
+published and never sends a request.  Tables are bounded (``MAX_ROWS`` each, with the total count
+beside them) so the blob always fits its region: leases oldest first; sessions the running ones
+oldest first, then the newest terminal ones.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _sessions(snap: SidecarSnapshot) -> dict:
              "published": r.published, "target": r.target, "total": r.total, "age_s": round(r.age_s, 3),
              "demanded": r.demanded}
             for r in snap.sessions.rows[:MAX_ROWS]]
-    return {"total": len(snap.sessions.rows), "rows": rows}
+    return {"total": snap.sessions.total, "rows": rows}
 
 
 def _leases(snap: SidecarSnapshot) -> dict:

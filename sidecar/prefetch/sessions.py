@@ -58,6 +58,7 @@ class SessionManager(Service):
         self.index = core.index  # (read only: what is resident)
         self.records: dict[tuple, Record] = {}
         self.by_id: dict[int, Record] = {}
+        self._open: dict[int, Record] = {}  # not yet terminal, in creation order (snapshot: bounded work)
         self._ids = itertools.count(1)
         self._counters = collections.Counter()
         self.waits = SessionWaits(self.host, self.clock)  # deferred ``wait`` replies
@@ -154,6 +155,7 @@ class SessionManager(Service):
         rec.machine = Session(params)
         self.records[key] = rec
         self.by_id[rec.id] = rec
+        self._open[rec.id] = rec
         rec.events.append(("created", now, resident))
         self._counters[f"started_{policy.value}"] += 1
         if deadline is not None:
@@ -423,6 +425,7 @@ class SessionManager(Service):
     def _finish(self, rec: Record, a: Finish) -> None:
         now = self.clock()
         rec.terminal_at = now
+        self._open.pop(rec.id, None)
         rec.events.append(("terminal", now, [a.status.value, a.prefix]))
         lease = self.pool.finish(rec.hold, a.prefix, rec.key, retain=a.status != Status.ABORTED,
                                  ttl_s=self.cfg.retained_ttl_s, now=now)
@@ -460,6 +463,7 @@ class SessionManager(Service):
     def _forget(self, sid: int) -> None:
         self._active.discard(sid)
         rec = self.by_id.pop(sid, None)
+        self._open.pop(sid, None)
         if rec is not None:
             self.waits.forget(sid, lambda: self._view(rec))
             self.pool.forget_result(rec.key, rec.id)
@@ -487,12 +491,26 @@ class SessionManager(Service):
     def stats(self) -> dict:
         return self.snapshot().stats()
 
+    def check(self) -> str:
+        """The session books: every record a request names is known by id (a departed group's
+        may be known by id only, while it drains), and the open ones are exactly those not yet
+        terminal (what a snapshot counts and shows)."""
+        if any(self.by_id.get(rec.id) is not rec for rec in self.records.values()):
+            return "sessions: a request's record is not known by its id"
+        running = [sid for sid, rec in self.by_id.items() if rec.machine.state != State.TERMINAL]
+        if running != list(self._open):
+            return f"sessions: open {sorted(self._open)} but not terminal {running}"
+        return ""
+
     def snapshot(self):
         """Live sessions and the counters as one typed snapshot (``kvsidecar.sidecar.observe.snapshot``;
         the stats op, the inspector and Prometheus render it)."""
-        from kvsidecar.sidecar.observe.snapshot import Policy, SessionsSnapshot, session_rows
+        from kvsidecar.sidecar.observe.snapshot import Policy, SessionsSnapshot, session_rows, session_states
 
-        return SessionsSnapshot(rows=session_rows(self.records.values(), self.clock()),
+        running = self._open.values()
+        ended = (rec for rec in reversed(self.by_id.values()) if rec.id not in self._open)  # (ids only grow)
+        return SessionsSnapshot(rows=session_rows(running, ended, self.clock()),
+                                states=session_states(running, len(self.by_id) - len(self._open)),
                                 started={p: self.counters.get(f"started_{p.value}", 0) for p in Policy},
                                 counters={**self.counters, "blocks_superseded": self.pool.superseded_blocks,
                                           "blocks_superseded_in_flight": self.pool.superseded_in_flight},

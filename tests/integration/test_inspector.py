@@ -172,6 +172,6 @@ def test_tables_stay_bounded_with_many_sessions_and_long_names(sidecar_factory, 
     assert schema_errors(view, inspector.SCHEMA) == [] and "truncated" not in view["stats"]
     rows = view["sessions"]["rows"]
     assert len(rows) == 48 and all(len(r["request"]) == 64 and len(r["group"]) == 64 for r in rows)
-    assert [r["request"][:3] for r in rows] == [f"{i:03d}" for i in range(48)]  # oldest first
+    assert [r["request"][:3] for r in rows] == [f"{i:03d}" for i in range(59, 11, -1)]  # all ended: newest first
     assert all(r["status"] == "no_hit" for r in rows)
     assert "... 12 more" in inspector.render(view)
