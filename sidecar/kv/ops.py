@@ -377,7 +377,7 @@ class KVCore(Service):
     def snapshot(self):
         """Pool, leases, stores and decisions as one typed snapshot (``kvsidecar.sidecar.observe.snapshot``;
         the stats op, the inspector and Prometheus render it)."""
-        from kvsidecar.sidecar.observe.snapshot import KVSnapshot, LeaseCause, PoolSnapshot, lease_rows
+        from kvsidecar.sidecar.observe.snapshot import KVSnapshot, LeaseCause, PoolSnapshot, lease_kinds, lease_rows
 
         now = self.clock()
         pool = PoolSnapshot(**self.index.stats(), reserved_limit_blocks=self.pool.reserved_limit_blocks,
@@ -386,7 +386,8 @@ class KVCore(Service):
         for reason, n in self.leases.drops.items():
             drops[LeaseCause.of(reason)] += n
         return KVSnapshot(
-            pool=pool, leases=lease_rows(self.leases.leases.values(), now), lease_counters=dict(self.leases.counters),
+            pool=pool, leases=lease_rows(self.leases.leases.values(), now),
+            lease_kinds=lease_kinds(self.leases.leases.values(), now), lease_counters=dict(self.leases.counters),
             lease_drops=drops, refusals=dict(self.pool.refusals),
             store={"open": len(self.staging.records), "staged_blocks": self.staging.staged_blocks(),
                    "published_blocks": self.staging.published_blocks, "aborted_blocks": self.staging.aborted_blocks},

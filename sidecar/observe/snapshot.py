@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 import itertools
+import operator
 
 from kvsidecar.shm.errors import ErrorCode
 
@@ -86,14 +88,29 @@ def owner_text(lease) -> str:
     return str(owner)
 
 
-def lease_rows(leases, now: float) -> tuple:
-    """Every live lease (``kvsidecar.sidecar.kv.leases.Lease``), oldest first."""
+ROWS_MAX = 48  # rows a snapshot carries per table (leases, sessions: the inspector's); every one is counted
+
+
+def lease_rows(leases, now: float, limit: int | None = None) -> tuple:
+    """The oldest ``limit`` (default :data:`ROWS_MAX`) live leases
+    (``kvsidecar.sidecar.kv.leases.Lease``), oldest first: bounded work however many live
+    (every lease is counted by :func:`lease_kinds`)."""
+    oldest = heapq.nsmallest(ROWS_MAX if limit is None else limit, leases, key=operator.attrgetter("created"))
     return tuple(LeaseRow(lease=x.id, kind=x.kind, owner=owner_text(x), blocks=x.count, age_s=now - x.created,
                           ttl_s=x.deadline - now if x.deadline != float("inf") else None)
-                 for x in sorted(leases, key=lambda x: x.created))
+                 for x in oldest)
 
 
-ROWS_MAX = 48  # session rows a snapshot carries (the inspector's table); every session is counted
+def lease_kinds(leases, now: float) -> dict:
+    """kind -> (live leases, the oldest one's age s) over every live lease; every
+    :class:`LeaseKind` present, and any other kind seen."""
+    count: dict = {k.value: 0 for k in LeaseKind}
+    first: dict = {}
+    for x in leases:
+        count[x.kind] = count.get(x.kind, 0) + 1
+        if x.kind not in first or x.created < first[x.kind]:
+            first[x.kind] = x.created
+    return {k: (n, now - first[k] if k in first else 0.0) for k, n in count.items()}
 
 
 def session_rows(running, ended, now: float, limit: int = ROWS_MAX) -> tuple:
@@ -214,7 +231,8 @@ class LeaseRow:
 class KVSnapshot:
     PART = "kv"
     pool: PoolSnapshot
-    leases: tuple[LeaseRow, ...]  # oldest first, every live lease
+    leases: tuple[LeaseRow, ...]  # the oldest ones, oldest first, at most ROWS_MAX (lease_rows)
+    lease_kinds: dict  # kind -> (live, oldest age s), every live lease counted (lease_kinds)
     lease_counters: dict  # LeaseTable's own counters (wire)
     lease_drops: dict  # LeaseCause -> leases dropped
     refusals: dict  # resource -> admissions refused or cut
@@ -223,16 +241,16 @@ class KVSnapshot:
 
     def leases_by_kind(self) -> dict:
         """kind -> (live, oldest age s); every :class:`LeaseKind` present, and any other kind seen."""
-        out = {k.value: (0, 0.0) for k in LeaseKind}
-        for row in self.leases:
-            n, oldest = out.get(row.kind, (0, 0.0))
-            out[row.kind] = (n + 1, max(oldest, row.age_s))
-        return out
+        return dict(self.lease_kinds)
+
+    @property
+    def leases_live(self) -> int:
+        return sum(n for n, _ in self.lease_kinds.values())
 
     def stats(self) -> dict:
-        ages = [row.age_s for row in self.leases]
+        ages = [age for n, age in self.lease_kinds.values() if n]
         return {"pool": self.pool.stats(),
-                "leases": {"live": len(self.leases), "oldest_age_s": round(max(ages), 3) if ages else 0.0,
+                "leases": {"live": self.leases_live, "oldest_age_s": round(max(ages), 3) if ages else 0.0,
                            **self.lease_counters},
                 "store": dict(self.store), "decisions": dict(self.decisions)}
 
@@ -370,5 +388,5 @@ class SidecarSnapshot:
 
 __all__ = ["ClientSnapshot", "CostSnapshot", "KVSnapshot", "L3Snapshot", "LeaseCause", "LeaseKind", "LeaseRow",
            "LoopSnapshot", "MetricsSnapshot", "Policy", "PoolSnapshot", "PoolState", "Resource", "SessionRow",
-           "SessionsSnapshot", "SidecarSnapshot", "State", "Status", "RING_CORRUPTED", "lease_rows", "owner_text",
+           "SessionsSnapshot", "SidecarSnapshot", "State", "Status", "RING_CORRUPTED", "lease_kinds", "lease_rows", "owner_text",
            "session_rows", "session_states", "ROWS_MAX"]

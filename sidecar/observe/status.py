@@ -41,7 +41,7 @@ def _leases(snap: SidecarSnapshot) -> dict:
     rows = [{"lease": r.lease, "kind": r.kind, "owner": r.owner[:MAX_TEXT], "blocks": r.blocks,
              "age_s": round(r.age_s, 3), "ttl_s": round(r.ttl_s, 3) if r.ttl_s is not None else -1.0}
             for r in snap.kv.leases[:MAX_ROWS]]
-    return {"total": len(snap.kv.leases), "rows": rows}
+    return {"total": snap.kv.leases_live, "rows": rows}
 
 
 def _pool(snap: SidecarSnapshot) -> dict | None:

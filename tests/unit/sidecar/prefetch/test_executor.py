@@ -881,10 +881,11 @@ def test_read_with_query_abort_before_the_answer_drains_the_read():
 
 
 def test_a_snapshot_of_thousands_of_retained_sessions_counts_them_all_and_shows_a_bounded_table():
-    """A busy node keeps every terminal session for its GET (``retained_ttl_s``): the snapshot
-    (every publish, every ``stats`` op) counts them all by state but builds at most ``ROWS_MAX``
-    rows -- the sessions still running, oldest first, then the newest terminal ones -- where it
-    once built and sorted a row for each (~20 ms of the control thread for 3,000)."""
+    """A busy node keeps every terminal session (and its lease) for its GET (``retained_ttl_s``):
+    the snapshot (every publish, every ``stats`` op) counts them all but builds at most
+    ``ROWS_MAX`` rows of each table -- the sessions still running, oldest first, then the newest
+    terminal ones; the oldest leases -- where it once built and sorted a row for each (~20 ms of
+    the control thread for 3,000 sessions, ~10 ms for their leases)."""
     from kvsidecar.sidecar.observe.snapshot import ROWS_MAX
     from kvsidecar.sidecar.observe.status import render_tables
 
@@ -895,12 +896,17 @@ def test_a_snapshot_of_thousands_of_retained_sessions_counts_them_all_and_shows_
         c = b.chain(f"t{i}", 2, in_l3=False)
         b.resident(c, 2)
         assert b.prefetch(f"t{i}", c, policy="timeout")["state"] == "terminal"
+        b.clock.t += 0.001
     snap = b.sm.snapshot()
     assert snap.total == 1003 and snap.stats()["sessions"]["by_state"] == {"querying": 3, "terminal": 1000}
     assert [r.request for r in snap.rows] == ["q0", "q1", "q2"] + [f"t{i}" for i in range(999, 999 - ROWS_MAX + 3, -1)]
     table = render_tables(types.SimpleNamespace(sessions=snap, kv=None, loop=types.SimpleNamespace(clients=())))
     assert table["sessions"]["total"] == 1003 and len(table["sessions"]["rows"]) == ROWS_MAX
+    kv = b.core.snapshot()  # each result kept for its GET: a lease; the table shows the oldest
+    assert kv.stats()["leases"]["live"] == 1000 and kv.leases_by_kind()["prefetch"][0] == 1000
+    assert len(kv.leases) == ROWS_MAX and [round(r.age_s, 6) for r in kv.leases] == [round(1.0 - i * 0.001, 6) for i in range(ROWS_MAX)]
+    assert kv.leases[0].lease == min(b.core.leases.leases)
     b.tier.answer_lookups()
     b.loop.settle()
     assert b.sm.snapshot().stats()["sessions"]["by_state"] == {"terminal": 1003}
-    assert b.books()["leases"] == 1000  # (each kept for its GET; the three found nothing to keep)
+    assert b.books()["leases"] == 1000  # (the three found nothing to keep)
