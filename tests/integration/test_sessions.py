@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvsidecar.connector.kv_client import KVConnector
+from kvsidecar.shm.chain import span as chain_span
 from kvsidecar.sidecar.prefetch.sessions import MAX_WAITING
 from kvsidecar.shm.errors import ErrorCode, RemoteError
 from kvsidecar.shm.layout import KVLayout
@@ -567,3 +568,46 @@ def test_a_dearer_l3_is_read_behind_the_queue_only_for_an_engine_that_takes_what
         assert get_and_check(c, l3_filled, "r", kv) == view["prefix"]
         s = books(c)
         assert s["pool"]["staging"] == 0 and s["pool"]["pinned"] == 0 and s["leases"]["live"] == 0
+
+
+def test_pool_hits_whose_tail_l3_lacks_explore_on_the_backoff_over_hundreds_of_requests(
+        sidecar_factory, instance, tmp_path, kv):
+    """A long run of pool hits at an idle engine whose new tail block was never stored (a
+    follow-up turn), L3 dearer than prefill (measured at start): cost_aware ends each at once on
+    its resident prefix, and one in EXPLORE_AFTER, 2x, 4x ... (up to EXPLORE_MAX) explores -- its
+    query finds nothing, nothing is read.  It once counted the wait from the last L3 read, so
+    from the ~200th such request on every one explored, each held for the L3 query.  Every
+    request gets its resident prefix; books exact."""
+    from kvsidecar.sidecar.prefetch.estimates import EXPLORE_AFTER, EXPLORE_MAX
+
+    sidecar_factory(**overrides(tmp_path, **{"l3.bandwidth_mbps": 8.0}))  # ~1 ms a block: 100x the prefill
+    n, waits, w = 400, [], EXPLORE_AFTER
+    while sum(waits) + len(waits) + w + 1 <= n:
+        waits.append(w)
+        w = min(2 * w, EXPLORE_MAX)
+    with KVConnector(instance, LAY) as c:
+        wait_until(lambda: c.stats()["l3"]["cost"]["samples"], 10.0, "the L3 calibration", until=lambda s: s >= 2)
+        reads = c.stats()["l3"].get("read_blocks_ok", 0)
+        statuses = []
+        for i in range(n):
+            tokens = [7, i, 7, i] * 2 + [i, 9, 9, i]  # 3 blocks: 2 stored now, the third never
+            chain = c.hasher.chain(tokens)
+            st = c.store(chain_span(chain, 0, 2), l3=False)
+            c.save(st, kv, [0, 1][:st.count])
+            c.commit(st)
+            c.prefetch(chain, f"r{i}", policy="cost_aware", eta_s=0.0, prefill_s_per_block=1e-5)
+            view = wait_terminal(c, f"r{i}")
+            statuses.append(view["status"])
+            lease = c.get(chain, req=f"r{i}", step=1)
+            assert lease.count == view["prefix"] == 2
+            c.release(lease)
+        explored = [i for i, s in enumerate(statuses) if s != "cost"]
+        expect, at = [], -1
+        for w in waits:
+            at += w + 1
+            expect.append(at)
+        assert explored == expect and {statuses[i] for i in explored} == {"no_hit"}
+        s = books(c)
+        assert s["sessions"]["cost_explorations"] == len(waits) == 6
+        assert s["l3"].get("read_blocks_ok", 0) == reads  # nothing was read
+        assert s["pool"]["staging"] == 0 and s["leases"]["live"] == 0
