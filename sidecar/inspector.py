@@ -20,8 +20,8 @@ JSON schema (``--json``), version 1 — ``SCHEMA`` below is the machine-readable
                        slots_in_use, slot_exhaustions}   (attaches refused because every slot was taken)
     published_age_s   seconds since the sidecar published the tables (null: nothing published yet)
     sessions          {total, rows: [{session, request, group, policy, state, status, published,
-                       target, total, age_s, demanded}]}   (at most 48 rows: the running sessions oldest first,
-                                                          then the newest terminal ones)
+                       target, total, age_s, demanded}]}   (at most 48 rows: the running sessions
+                       oldest first, then the newest terminal ones)
     leases            {total, rows: [{lease, kind, owner, blocks, age_s, ttl_s}]}  (ttl_s -1: none)
     pool              {blocks, block_bytes, by_state: {free, staging, resident_pinned,
                        resident_unpinned}, reserved_bytes, reserved_limit_bytes, pinned_bytes,

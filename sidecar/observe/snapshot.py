@@ -388,5 +388,5 @@ class SidecarSnapshot:
 
 __all__ = ["ClientSnapshot", "CostSnapshot", "KVSnapshot", "L3Snapshot", "LeaseCause", "LeaseKind", "LeaseRow",
            "LoopSnapshot", "MetricsSnapshot", "Policy", "PoolSnapshot", "PoolState", "Resource", "SessionRow",
-           "SessionsSnapshot", "SidecarSnapshot", "State", "Status", "RING_CORRUPTED", "lease_kinds", "lease_rows", "owner_text",
-           "session_rows", "session_states", "ROWS_MAX"]
+           "SessionsSnapshot", "SidecarSnapshot", "State", "Status", "RING_CORRUPTED", "ROWS_MAX", "lease_kinds",
+           "lease_rows", "owner_text", "session_rows", "session_states"]

@@ -904,7 +904,8 @@ def test_a_snapshot_of_thousands_of_retained_sessions_counts_them_all_and_shows_
     assert table["sessions"]["total"] == 1003 and len(table["sessions"]["rows"]) == ROWS_MAX
     kv = b.core.snapshot()  # each result kept for its GET: a lease; the table shows the oldest
     assert kv.stats()["leases"]["live"] == 1000 and kv.leases_by_kind()["prefetch"][0] == 1000
-    assert len(kv.leases) == ROWS_MAX and [round(r.age_s, 6) for r in kv.leases] == [round(1.0 - i * 0.001, 6) for i in range(ROWS_MAX)]
+    ages = [round(r.age_s, 6) for r in kv.leases]
+    assert len(kv.leases) == ROWS_MAX and ages == [round(1.0 - i * 0.001, 6) for i in range(ROWS_MAX)]
     assert kv.leases[0].lease == min(b.core.leases.leases)
     b.tier.answer_lookups()
     b.loop.settle()
