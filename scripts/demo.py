@@ -51,8 +51,10 @@ def main(argv=None) -> int:
             states = [r["state"] for r in v["sessions"]["rows"]]
             reading = sum(st in ("running", "draining") for st in states)
             live = sum(st != "terminal" for st in states)
-            s = 1000 * bool(v["clients"]) + 100 * reading + 10 * live + v["leases"]["total"]
-            if s > score:
+            # (then the later view: more sessions seen, not the ranks' attach before any request)
+            s = (1000 * bool(v["clients"]) + 100 * reading + 10 * live + v["leases"]["total"]
+                 + min(v["sessions"]["total"], 9) / 10)
+            if s >= score:
                 best, score = v, s
         if best is not None:
             views[arm] = inspector.render(best)
