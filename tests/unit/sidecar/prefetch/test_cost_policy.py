@@ -671,9 +671,10 @@ def test_executor_cost_aware_does_not_starve_its_estimate_behind_the_error_margi
     assert s["staging"] == 0 and s["pinned"] == 0 and s["leases"] == 0
 
 
-def _tail_request(b: Bench, name: str, **kw) -> tuple:
-    """A request at an idle engine: 32 blocks resident, a 2-block tail in L3; (status, prefix)."""
-    c = b.chain(name, 34)
+def _tail_request(b: Bench, name: str, tail_in_l3: bool = True, **kw) -> tuple:
+    """A request at an idle engine: 32 blocks resident, a 2-block tail (in L3 unless
+    ``tail_in_l3`` is False: never stored); (status, prefix)."""
+    c = b.chain(name, 32) + b.chain(f"{name}-tail", 2, in_l3=tail_in_l3)
     b.resident(c, 32)
     b.prefetch(name, c, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0, **kw)
     b.tier.answer_lookups()
@@ -728,16 +729,7 @@ def test_executor_cost_aware_explorations_back_off_when_l3_holds_nothing():
     expected = []
     for w in waits:
         expected += [("cost", 32)] * w + [("no_hit", 32)]
-    got = []
-    for i in range(len(expected)):
-        c = b.chain(f"r{i}", 32) + b.chain(f"r{i}-new", 2, in_l3=False)
-        b.resident(c, 32)
-        b.prefetch(f"r{i}", c, policy="cost_aware", prefill_s_per_block=0.0032, eta_s=0.0)
-        b.tier.answer_lookups()
-        b.tier.run_all()
-        p = terminal(b, f"r{i}")
-        got.append((p["status"], p["prefix"]))
-        assert b.take(f"r{i}", c) == p["prefix"]
+    got = [_tail_request(b, f"r{i}", tail_in_l3=False) for i in range(len(expected))]
     explored = [i for i, g in enumerate(got) if g != ("cost", 32)]
     assert explored == [i for i, g in enumerate(expected) if g != ("cost", 32)]
     assert got == expected and b.sm.counters["cost_explorations"] == len(waits) and b.tier.blocks_read == 0
