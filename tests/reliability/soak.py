@@ -148,17 +148,20 @@ def worker(instance: str, wid: int, seed: int, stop, conn) -> None:
                     # a prefetch session for a chain written to L3 earlier (likely evicted by now)
                     chain = rng.choice(l3_chains)
                     req = f"w{wid}-{seq}"
-                    policy = rng.choice(["timeout", "best_effort", "wait_complete"])
+                    policy = rng.choice(["timeout", "best_effort", "wait_complete", "cost_aware"])
                     budget = rng.choice([0.002, 0.01, 0.05, 1.0]) if policy == "timeout" else None
+                    # cost_aware: the engine's ETA and prefill cost (cheap or dear against this L3)
+                    cost = dict(eta_s=rng.choice([0.0, 0.005, 0.05]), prefill_s_per_block=rng.choice([1e-5, 1e-3]),
+                                waiting=rng.choice([None, 0, 3])) if policy == "cost_aware" else {}
                     timed(2, lambda: c.prefetch(chain, req, policy=policy, budget_s=budget,
-                                                chunk_max_blocks=rng.choice([4, 16, 64])))
+                                                chunk_max_blocks=rng.choice([4, 16, 64]), **cost))
                     counts["prefetch"] += 1
                     fate = rng.random()
                     if fate < 0.2:
                         c.abort(req)
                         counts["abort"] += 1
-                    elif fate < 0.4 and policy == "best_effort":
-                        c.demand(req)
+                    elif (fate < 0.4 and policy == "best_effort") or policy == "cost_aware":
+                        c.demand(req)  # (cost_aware: the engine scans it sooner or later)
                         counts["demand"] += 1
                     p = c.wait(req, terminal=True, timeout_s=10.0)  # answered when it ends (bounded)
                     if p["state"] != "terminal":

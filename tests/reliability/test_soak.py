@@ -32,6 +32,9 @@ def _soak(sidecar_factory, instance, tmp_path, evictions: int) -> dict:
     assert result["invariants"] == ""
     assert result["leases_live"] == 0 and result["pool"]["pinned"] == 0 and result["pool"]["staging"] == 0
     assert result["counts"]["prefetch"] > 0 and result["counts"]["loaded_blocks"] > 0
+    # every policy ran, cost_aware with its engine inputs and demands (its estimate, explorations)
+    assert all(result["sessions"].get(f"started_{p}", 0) > 0
+               for p in ("timeout", "best_effort", "wait_complete", "cost_aware")), result["sessions"]
     return result
 
 
