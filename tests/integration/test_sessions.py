@@ -577,7 +577,7 @@ def test_pool_hits_whose_tail_l3_lacks_explore_on_the_backoff_over_hundreds_of_r
     its resident prefix, and one in EXPLORE_AFTER, 2x, 4x ... (up to EXPLORE_MAX) explores -- its
     query finds nothing, nothing is read.  It once counted the wait from the last L3 read, so
     from the ~200th such request on every one explored, each held for the L3 query.  Every
-    request gets its resident prefix; books exact."""
+    request gets its resident prefix, byte for byte; books exact."""
     from kvsidecar.sidecar.prefetch.estimates import EXPLORE_AFTER, EXPLORE_MAX
 
     sidecar_factory(**overrides(tmp_path, **{"l3.bandwidth_mbps": 8.0}))  # ~1 ms a block: 100x the prefill
@@ -598,9 +598,7 @@ def test_pool_hits_whose_tail_l3_lacks_explore_on_the_backoff_over_hundreds_of_r
             c.prefetch(chain, f"r{i}", policy="cost_aware", eta_s=0.0, prefill_s_per_block=1e-5)
             view = wait_terminal(c, f"r{i}")
             statuses.append(view["status"])
-            lease = c.get(chain, req=f"r{i}", step=1)
-            assert lease.count == view["prefix"] == 2
-            c.release(lease)
+            assert get_and_check(c, chain, f"r{i}", kv) == view["prefix"] == 2  # (its bytes as stored)
         explored = [i for i, s in enumerate(statuses) if s != "cost"]
         expect, at = [], -1
         for w in waits:
