@@ -4,7 +4,9 @@ TP rank's scheduler copy (adapter, paged KV pool, waiting queue) and the pool of
 the leader drives one SPMD step at a time.
 
 A rank's prefill runs "on the device" (modelled busy time) while its loop goes on receiving and
-polling; the simulator's own page checks run on a helper thread in that time, outside TTFT.
+polling; filling the pages it computes runs on a helper thread in that time, and the check of
+every page it restored waits until the arm's timed loop has ended (:class:`PageChecks`): the
+simulator's own work is kept off the CPU the engine and the sidecar share.
 """
 
 from __future__ import annotations
@@ -115,6 +117,65 @@ def bad_pages(kv, base, pages: list, keys: list) -> int:
     return int(bad.sum())
 
 
+# the most memory one rank's engine pages may take: enough to keep every page of a table arm
+# (48 requests) unchecked until the arm ends; a longer stream checks its oldest pages in the run
+ENGINE_BYTES_MAX = 512 << 20
+
+
+def engine_pages(layout: KVLayout, stream: list, floor: int = 0) -> int:
+    """Pages for one rank: every block of ``stream`` (``[(arrival, rid, tokens)]``) with none
+    reused -- so a restored page can wait, unchecked, until the arm ends -- within
+    :data:`ENGINE_BYTES_MAX` (and at least ``floor``)."""
+    page = layout.tokens_per_block * layout.heads_per_shard * layout.head_dim * 2 * layout.kv_factor * layout.num_layers
+    need = sum(len(toks) // layout.tokens_per_block for _, _, toks in stream)
+    return max(floor, 1, min(need, ENGINE_BYTES_MAX // page))
+
+
+class PageChecks:
+    """The simulator's check of every page a request restored (each against the KV the model
+    would have produced: ``corrupt``), kept out of the measured run.  A finished request's
+    restored pages stay out of the free list, unchecked, until :meth:`drain` (after the arm's
+    timed loop), unless the engine runs short of pages: then :meth:`make_room` checks the oldest
+    in the run (``in_run`` counts those pages: the check is then on the measured path, as an
+    engine short of memory would wait).  Checked on a helper thread while the run went on, they
+    took the CPU the ranks and the sidecar share: at 0.9 load, where most of a request is
+    restored and little prefill hides the check, cost_aware's p50 was 16-19 % longer (r2-load0.9-tp2,
+    two interleaved trials each: 19.0 / 18.7 ms against 16.4 / 16.3 without the concurrent check)."""
+
+    def __init__(self, kv, base):
+        self.kv, self.base = kv, base
+        self.pending: collections.deque = collections.deque()  # (restored pages, their keys), oldest first
+        self.corrupt = self.checked = self.in_run = 0
+
+    def hold(self, pages: list, keys: list) -> None:
+        """``pages`` (holding ``keys``' KV) wait for their check; freed only by it."""
+        if pages:
+            self.pending.append((list(pages), list(keys)))
+
+    def _check_oldest(self) -> list:
+        pages, keys = self.pending.popleft()
+        self.corrupt += bad_pages(self.kv, self.base, pages, keys)
+        self.checked += len(pages)
+        return pages
+
+    def make_room(self, short: int) -> list:
+        """Check the oldest held pages now until at least ``short`` are freed (or none is held);
+        returns the freed pages."""
+        freed: list = []
+        while len(freed) < short and self.pending:
+            pages = self._check_oldest()
+            self.in_run += len(pages)
+            freed.extend(pages)
+        return freed
+
+    def drain(self) -> list:
+        """Check every held page (the arm's timed loop has ended); returns them, freed."""
+        freed: list = []
+        while self.pending:
+            freed.extend(self._check_oldest())
+        return freed
+
+
 def fill_page(kv, base, page: int, key: bytes) -> None:
     fill_pages(kv, base, [page], [key])
 
@@ -143,19 +204,21 @@ class _Rank:
                             store_to_l3=args["store_to_l3"],
                             prefill_s_per_block=self.compute_s_per_block() or None)
         self.ad = EngineAdapter(args["instance"], lay, rank=rank, group=f"sim-{args['arm']}", config=cfg)
-        shape = (args["engine_pages"], self.T, lay.heads_per_shard, lay.head_dim)
+        stream = stream_of(args)
+        pages = engine_pages(lay, stream, args.get("engine_pages") or 0)
+        shape = (pages, self.T, lay.heads_per_shard, lay.head_dim)
+        # (zeros are written: every page is faulted in here, not by the first copy into it)
         self.kv = [tuple(torch.zeros(shape, dtype=torch.float16) for _ in range(lay.kv_factor))
                    for _ in range(lay.num_layers)]
         self.ad.kv_caches = self.kv
         self.base = _base(lay, rank)
-        self.free_pages = list(range(args["engine_pages"] - 1, -1, -1))
-        self.stream = {rid: (arr, toks) for arr, rid, toks in stream_of(args)}
+        self.free_pages = list(range(pages - 1, -1, -1))
+        self.stream = {rid: (arr, toks) for arr, rid, toks in stream}
         self.queue: list = []
         self.demanded: set = set()
-        self.corrupt = 0
         self.running: dict | None = None  # the prefill on the device: rid, modelled end, pages
-        self.checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sim-check")
-        self.checking: list = []  # (check of a finished request, its pages): FIFO, freed when done
+        self.filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sim-fill")
+        self.checks = PageChecks(self.kv, self.base)
         self.timeline = rank == 0 and bool(args.get("timeline"))
         self.marks: dict = collections.defaultdict(dict)  # rid -> {phase: monotonic time}
         self._instrument()
@@ -180,20 +243,25 @@ class _Rank:
         return self.args["compute_ms_per_ktok"] * self.T / 1024 / 1e3
 
     def alloc(self, n):
-        self.reap()
-        if n > len(self.free_pages) and self.checking:
-            self.reap(wait=True)
+        if n > len(self.free_pages):
+            self.free_pages.extend(reversed(self.checks.make_room(n - len(self.free_pages))))
         if n > len(self.free_pages):
             return None
         return [self.free_pages.pop() for _ in range(n)]
 
-    def reap(self, wait: bool = False) -> None:
-        """Count the checks that finished (all of them, bounded, with ``wait``) and free their
-        pages: a finished request's pages stay out of the free list until its check read them."""
-        while self.checking and (wait or self.checking[0][0].done()):
-            check, pages = self.checking.pop(0)
-            self.corrupt += check.result(timeout=60)
-            self.free_pages.extend(reversed(pages))
+    def end_arm(self) -> dict:
+        """After the arm's timed loop: check every page still held (a prefill still running
+        is checked too), free them; this rank's totals."""
+        if self.running is not None:
+            self.start_fill()
+            self.running["fill"].result(timeout=60)
+            self.checks.hold(self.running["pages"][:self.running["restored"]],
+                             self.running["keys"][:self.running["restored"]])
+        self.free_pages.extend(self.checks.drain())
+        self.filler.shutdown(wait=True)
+        c = self.checks
+        return {"rank": self.rank, "corrupt": c.corrupt, "checked_pages": c.checked, "checked_in_run": c.in_run,
+                "degraded": self.ad.misses_degraded, "left": len(self.queue)}
 
     def step(self, step: int, arrivals: list, t0: float) -> dict:
         """One loop iteration: requests that arrived enter the queue (and prefetch); a free
@@ -273,32 +341,30 @@ class _Rank:
         compute_tokens = len(toks) - slot.tokens
         t_c = m["prefill_start"] = time.monotonic()
         end = t_c + compute_tokens * self.args["compute_ms_per_ktok"] / 1024 / 1e3  # the modelled prefill
-        # the simulator's own work runs on a helper thread (torch releases the GIL), so the loop
-        # goes on receiving and polling: fill what is computed, check what was loaded (start_check)
+        # filling what is computed runs on a helper thread (torch releases the GIL), so the loop
+        # goes on receiving and polling (start_fill); what was loaded is checked after the arm
         keys = [chain[j * 16:(j + 1) * 16] for j in range(len(pages))]
         self.running = {"rid": rid, "end": end, "over": 0.0, "slot": slot, "pages": pages,
-                        "compute_tokens": compute_tokens, "step": step, "fill": None, "check": None,
+                        "compute_tokens": compute_tokens, "step": step, "fill": None,
                         "keys": keys, "restored": restored}
         return (rid, slot.tokens)
 
-    def start_check(self, run: dict | None = None) -> None:
+    def start_fill(self, run: dict | None = None) -> None:
         """On the helper thread: fill the pages ``run`` (default: the running prefill) computes
-        (its store reads them), then check the pages it loaded.  The leader asks once every rank
-        has admitted: work started at a rank's own admission took the CPU from a rank still
-        admitting (2 cores: the group's prefill started up to 4 ms late).  Nothing waits for the
-        check (see :meth:`reap`)."""
+        (its store reads them).  The leader asks once every rank has admitted: work started at a
+        rank's own admission took the CPU from a rank still admitting (2 cores: the group's
+        prefill started up to 4 ms late)."""
         run = self.running if run is None else run
         if run is not None and run["fill"] is None:
             pages, keys, r = run["pages"], run["keys"], run["restored"]
-            run["fill"] = self.checker.submit(fill_pages, self.kv, self.base, pages[r:], keys[r:])
-            run["check"] = self.checker.submit(bad_pages, self.kv, self.base, pages[:r], keys[:r])
+            run["fill"] = self.filler.submit(fill_pages, self.kv, self.base, pages[r:], keys[r:])
 
     def complete(self, t0: float) -> dict:
         """The running prefill ended (at its modelled end: TTFT is stamped there)."""
         run, self.running = self.running, None
         rid, slot, pages = run["rid"], run["slot"], run["pages"]
         waited = time.monotonic()
-        self.start_check(run)  # (if the leader's ask has not come first)
+        self.start_fill(run)  # (if the leader's ask has not come first)
         if run["restored"] < len(pages):
             run["fill"].result(timeout=60)  # (bounded) the store below reads the computed pages
         run["over"] = max(0.0, time.monotonic() - max(waited, run["end"]))  # reported, not charged
@@ -323,8 +389,9 @@ class _Rank:
         if asked is not None:  # (arrived with the calls above; bounded if none was made)
             view = self.ad._call(lambda: self.ad.conn.client.wait(asked, timeout_s=5.0), {}, retry=False)
             status, events = view.get("status", "none"), view.get("events")
-        self.checking.append((run["check"], pages))  # freed once checked (reap)
-        self.reap()
+        r = run["restored"]
+        self.checks.hold(pages[:r], run["keys"][:r])  # freed once checked (after the arm, see PageChecks)
+        self.free_pages.extend(reversed(pages[r:]))  # (stored: the store above read them)
         out = {"req": rid, "ttft_ms": ttft * 1e3, "queue_ms": (m["admit"] - t0 - arr) * 1e3,
                "stored_ms": (m["stored"] - t0 - arr) * 1e3,
                "restored_tokens": slot.tokens, "recomputed_tokens": run["compute_tokens"], "tokens": len(toks),
@@ -360,20 +427,15 @@ def rank_main(rank: int, conn) -> None:
             if msg[0] == "wait":
                 conn.send(r.wait_ready(msg[1]))
                 continue
-            if msg[0] == "check":  # (no answer: the leader goes on)
-                r.start_check()
+            if msg[0] == "fill":  # (no answer: the leader goes on)
+                r.start_fill()
                 continue
             if msg[0] == "complete":  # the group's prefill ended at msg[2]: finish and store it
                 conn.send(r.finish(msg[1], msg[2]))
                 continue
             _, step, arrivals, t0 = msg
             conn.send(r.step(step, arrivals, t0))
-        if r.running is not None:
-            r.start_check()
-            r.checking.append((r.running["check"], r.running["pages"]))
-        r.reap(wait=True)
-        r.checker.shutdown(wait=True)
-        conn.send({"rank": rank, "corrupt": r.corrupt, "degraded": r.ad.misses_degraded, "left": len(r.queue)})
+        conn.send(r.end_arm())
         r.ad.close()
 
 

@@ -24,10 +24,12 @@ What is measured is the product's path: TTFT = end of the modelled prefill - arr
 queueing + prefetch wait + the GET (lease) + the copy into the engine's pages + the prefill of
 everything not restored (``compute_ms_per_ktok``, a sleep).  The simulator's own checking
 (every loaded page against the KV the model would have produced, ``corrupt``; filling the
-recomputed pages) runs on a helper thread of each rank once every rank has admitted (started
-earlier, it took the CPU from a rank still admitting), so it is not charged to TTFT: the fill
-ends before the request's store (``sim_overhead_ms`` reports any wait for it past the prefill),
-and a request's pages return to the free list once their check has read them.  The group's
+recomputed pages) is not charged to TTFT: the fill runs on a helper thread of each rank once every
+rank has admitted (started earlier, it took the CPU from a rank still admitting) and ends before
+the request's store (``sim_overhead_ms`` reports any wait for it past the prefill); the check of
+the restored pages runs after the arm's timed loop (each rank's engine pages hold a whole table
+arm's unchecked: ``sim_ranks.PageChecks``; ``checked_in_run`` counts pages a longer stream had
+to check in the run).  The group's
 prefill ends with its slowest rank's (``rank_skew_ms``: how much after rank 0's).  Every rank
 must admit the same request with the same restored length at every step (``ranks_agree``).  Rank 0 stamps a per-request timeline
 (``--timeline``) joined with the session's own events from the sidecar (``poll`` with
@@ -117,8 +119,8 @@ def run_ranks(args: dict, pool: RankPool | None = None) -> dict:
         if any(r["admitted"] != first["admitted"] for r in replies[1:]):
             disagreements += 1
         if first["admitted"] is not None:
-            for a in pipes:  # every rank admitted: now each checks what it loaded (not charged)
-                a.send(("check",))
+            for a in pipes:  # every rank admitted: now each fills what it computes (not charged)
+                a.send(("fill",))
             busy_until = max(r["end"] for r in replies if r["end"] is not None)
             # the group's prefill ends with its slowest rank's: how much later than rank 0's
             skews[first["admitted"][0]] = (busy_until - first["end"]) * 1e3
@@ -185,7 +187,9 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
             "recomputed_tokens": sum(r["recomputed_tokens"] for r in res),
             "queue_mean_ms": sum(r["queue_ms"] for r in res) / max(1, len(res)),
             "sim_overhead_ms_max": max((r["sim_overhead_ms"] for r in res), default=0.0),
-            "corrupt": sum(o["corrupt"] for o in ranks), "ranks_agree": run["disagreements"] == 0 and len(ranks) == args["tp"],
+            "corrupt": sum(o["corrupt"] for o in ranks),
+            "checked_pages": sum(o["checked_pages"] for o in ranks),
+            "checked_in_run": sum(o["checked_in_run"] for o in ranks), "ranks_agree": run["disagreements"] == 0 and len(ranks) == args["tp"],
             "requests": len(res), "steps": run["steps"], "invariants": stats.get("invariants", "?"),
             "leases_live": st["leases"].get("live", st["leases"].get("count", 0)) if isinstance(st.get("leases"), dict) else None,
             "sessions": st.get("sessions", {}),
@@ -275,7 +279,7 @@ def simulate(quick: bool, l3_mbps: float | None = None, budget_s: float | None =
     base_args = dict(tp=tp, seed=seed, requests=requests or (6 if quick else 16), n_prefixes=n_prefixes,
                      prefix_tokens=prefix_tokens, suffix_tokens=128,
                      gap_s=(0.8 if quick else 0.9) * prefix_tokens / 16384 * compute_ms_per_ktok / 50.0, load=load,
-                     compute_ms_per_ktok=compute_ms_per_ktok, engine_pages=600, store_to_l3=False, budget_s=budget_s,
+                     compute_ms_per_ktok=compute_ms_per_ktok, store_to_l3=False, budget_s=budget_s,
                      pool_blocks=pool_blocks, timeline=True)
     mbps = l3_mbps if l3_mbps is not None else 200.0  # 25 MB/s: a 16K prefix (32 MiB) restores in ~1.3 s
     tmp = tempfile.mkdtemp(prefix="kvssim-")

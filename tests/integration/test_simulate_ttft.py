@@ -15,6 +15,9 @@ def test_quick_real_process_run_has_timelines_bounds_and_exact_data():
     for arm, a in res["arms"].items():
         assert a["corrupt"] == 0 and a["ranks_agree"] and a["invariants"] == "", (arm, a)
         assert a["requests"] == 8 and a["leases_live"] == 0
+        # every restored page of every rank was checked, after the timed loop (none in the run)
+        T = simulate.make_layout(2).tokens_per_block
+        assert a["checked_pages"] == 2 * a["restored_tokens"] // T and a["checked_in_run"] == 0, (arm, a)
         for r in a["results"]:
             t = r["timeline"]
             order = [t["entered"], t["admit"], t["got"], t["loaded"], t["prefill_start"], t["prefill_end"]]
