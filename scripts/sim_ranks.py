@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import gc
 import logging
 import multiprocessing as mp
 import random
@@ -413,12 +414,20 @@ def rank_main(rank: int, conn) -> None:
 
     torch.set_num_threads(1)  # one core per rank: intra-op threads only thrash on a shared machine
     conn.send("up")
+    r = None
     while True:
         msg = conn.recv()
         if msg[0] == "exit":
             break
         args = msg[1]
+        # the last arm's rank is freed here, between arms: it sits in reference cycles (its
+        # connector's wrappers), so the cyclic collector freed it -- and its engine pages, ~100 MB
+        # -- at some allocation inside a later arm's timed loop, stalling that rank ~60 ms
+        # (cost_aware's last requests on r0.3-load0.9-tp2 entered the queue 15-65 ms late)
+        r = None
+        gc.collect()
         r = _Rank(args, rank)
+        gc.collect()
         conn.send("ready")
         while True:
             msg = conn.recv()
