@@ -423,7 +423,7 @@ def rank_main(rank: int, conn) -> None:
         # the last arm's rank is freed here, between arms: it sits in reference cycles (its
         # connector's wrappers), so the cyclic collector freed it -- and its engine pages, ~100 MB
         # -- at some allocation inside a later arm's timed loop, stalling that rank ~60 ms
-        # (cost_aware's last requests on r0.3-load0.9-tp2 entered the queue 15-65 ms late)
+        # (cost_aware's last requests on the r0.3 load rows entered the queue 15-128 ms late)
         r = None
         gc.collect()
         r = _Rank(args, rank)
