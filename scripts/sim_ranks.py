@@ -140,7 +140,7 @@ class PageChecks:
     in the run (``in_run`` counts those pages: the check is then on the measured path, as an
     engine short of memory would wait).  Checked on a helper thread while the run went on, they
     took the CPU the ranks and the sidecar share: at 0.9 load, where most of a request is
-    restored and little prefill hides the check, cost_aware's p50 was 16-19 % longer (r2-load0.9-tp2,
+    restored and little prefill hides the check, cost_aware's p50 was 15-16 % longer (r2-load0.9-tp2,
     two interleaved trials each: 19.0 / 18.7 ms against 16.4 / 16.3 without the concurrent check)."""
 
     def __init__(self, kv, base):
