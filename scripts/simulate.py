@@ -167,9 +167,11 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
         if while_running is not None:
             watcher = threading.Thread(target=while_running, args=(arm, args["instance"], ranks_done), daemon=True)
             watcher.start()
-        run = run_ranks(args, pool)
         from kvsidecar.connector.client import SidecarClient
 
+        with SidecarClient(args["instance"]) as c:  # (its start-up work is not the arm's)
+            busy0 = c.call("stats")["stats"].get("busy") or {}
+        run = run_ranks(args, pool)
         with SidecarClient(args["instance"]) as c:
             stats = c.call("stats", check=True)
         ranks_done.set()
@@ -198,7 +200,20 @@ def run_arm(arm: str, base_args: dict, sidecar_overrides: dict, arm_kw: dict | N
             "degraded_misses": sum(o["degraded"] for o in ranks), "results": res,
             # observability totals, as the engine saw them (rank 0): policy, final status per request
             "policy": (args["arm_kw"] or {}).get("policy", "none"),
-            "statuses": dict(collections.Counter(r["status"] for r in res))}
+            "statuses": dict(collections.Counter(r["status"] for r in res)),
+            "sidecar_busy": busy_per_request(st.get("busy") or {}, len(res), since=busy0)}
+
+
+def busy_per_request(busy: dict, requests: int, since: dict | None = None, top: int = 6) -> dict:
+    """The sidecar control thread's time over an arm (the ``stats`` op's ``busy``: by op, posted
+    event and timer; ``since``: the same taken before the arm, subtracted), in ms per request:
+    all of it, and its ``top`` busiest items.  The thread is serial: its work is what every other
+    op, landed read and wake-up waits behind."""
+    n = max(1, requests)
+    since = since or {}
+    ms = {k: v["ms"] - since.get(k, {}).get("ms", 0.0) for k, v in busy.items()}
+    rows = sorted(((k, v) for k, v in ms.items() if v > 0), key=lambda kv: -kv[1])
+    return {"ms_per_request": round(sum(v for _, v in rows) / n, 4), "top": {k: round(v / n, 4) for k, v in rows[:top]}}
 
 
 def warm_l3(base_args: dict, sidecar_overrides: dict, pool: RankPool | None = None) -> None:

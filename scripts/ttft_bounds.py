@@ -231,14 +231,20 @@ def gap_breakdown(results: list, bounds: dict) -> dict:
                           "bound_mean_ms": mean([b["serial"] for _, b in hits])}}
 
 
-def print_gaps(arms: dict) -> None:
-    print(f"\ngap to the serial bound by phase (mean ms per request; + is lost to the bound):")
-    print(f"{'arm':<18} {'TTFT':>7} {'bound':>7} " + " ".join(f"{ph:>9}" for ph in PHASES) + "   pool hits: TTFT/bound")
+def print_gaps(arms: dict, control_ms: dict | None = None) -> None:
+    """The gap table; ``control_ms``: arm -> the sidecar control thread's ms per request to show
+    (default: each arm's own ``sidecar_busy``)."""
+    print(f"\ngap to the serial bound by phase (mean ms per request; + is lost to the bound; ctl: the "
+          f"sidecar control thread's ms per request):")
+    print(f"{'arm':<18} {'TTFT':>7} {'bound':>7} " + " ".join(f"{ph:>9}" for ph in PHASES)
+          + f" {'ctl':>6}   pool hits: TTFT/bound")
     for arm, a in arms.items():
         g = a.get("gap") or {}
         if not g:
             continue
         ph = g["pool_hits"]
         hit = f"{ph['ttft_mean_ms']:.1f}/{ph['bound_mean_ms']:.1f} ms (n={ph['n']})" if ph["n"] else "-"
+        ctl = (control_ms or {}).get(arm, (a.get("sidecar_busy") or {}).get("ms_per_request"))
         print(f"{arm:<18} {g['ttft_mean_ms']:>7.1f} {g['bound_mean_ms']:>7.1f} "
-              + " ".join(f"{g['gap'][p]:>+9.1f}" for p in PHASES) + f"   {hit}")
+              + " ".join(f"{g['gap'][p]:>+9.1f}" for p in PHASES)
+              + (f" {ctl:>6.2f}" if ctl is not None else f" {'-':>6}") + f"   {hit}")

@@ -18,7 +18,8 @@ runs on the control thread's request path:
   and copied into that snapshot.
 
 Labels are bounded sets only (policy, status, state, kind, cause, resource, tier, code, backend,
-slot number): never a request id, a session id or exception text.
+slot number, the control thread's work -- op and function names from the code): never a request
+id, a session id or exception text.
 """
 
 from __future__ import annotations
@@ -352,6 +353,11 @@ METRICS: tuple[Metric, ...] = (
     _c("kvsidecar_slot_exhaustions", "Attaches refused because every client slot was taken",
        lambda s, m: _loop(s, "slot_exhaustions")),
     _c("kvsidecar_requests", "Requests served (every op)", lambda s, m: _loop(s, "requests")),
+    _c("kvsidecar_control_busy_seconds", "The control thread's time (wall) by what it ran: op:<op>, "
+       "event:<function>, timer:<function> (names from the code: a bounded set)",
+       lambda s, m: {k: v[1] for k, v in sorted(s.loop.busy.items())}, ["work"]),
+    _c("kvsidecar_control_busy_runs", "How many times the control thread ran each of them",
+       lambda s, m: {k: v[0] for k, v in sorted(s.loop.busy.items())}, ["work"]),
     _c("kvsidecar_protocol_errors", "Error completions, by code", lambda s, m: s.loop.error_counts(), ["code"]),
     # -- L3
     _c("kvsidecar_l3_errors", "L3 failures, by backend and code", lambda s, m: _l3_errors(s), ["backend", "code"],

@@ -176,6 +176,14 @@ class LoopSnapshot:
     ops: dict  # op name -> requests dispatched to it
     errors: dict  # ErrorCode -> error completions
     rings_corrupted: int
+    # the control thread's time by what it ran (``op:<op>``, ``event:<fn>``, ``timer:<fn>``):
+    # name -> (count, seconds, max seconds); see ``kvsidecar.sidecar.runtime.loop.BusyTime``
+    busy: dict = dataclasses.field(default_factory=dict)
+
+    def busy_stats(self) -> dict:
+        """``busy`` for the wire: name -> ``{"n", "ms", "max_ms"}``, the busiest first."""
+        rows = sorted(self.busy.items(), key=lambda kv: -kv[1][1])
+        return {k: {"n": n, "ms": round(s * 1e3, 3), "max_ms": round(mx * 1e3, 3)} for k, (n, s, mx) in rows}
 
     def error_counts(self) -> dict:
         """Error completions by label value: every wire code (0 when none) and ``ring_corrupted``."""
@@ -190,7 +198,7 @@ class LoopSnapshot:
         if self.rings_corrupted:
             counters[f"errors_{RING_CORRUPTED}"] = self.rings_corrupted
         return {"instance": self.instance, "generation": self.generation, "pid": self.pid,
-                "clients": [c.stats() for c in self.clients], "counters": counters}
+                "clients": [c.stats() for c in self.clients], "counters": counters, "busy": self.busy_stats()}
 
 
 # -- kv ------------------------------------------------------------------------------------------

@@ -14,6 +14,13 @@ when idle.  The idle sleep (``Doorbell.sleep_rings``) names the client ring that
 it, and that client is served before the rest of the pass: after an idle gap every line
 between the wake-up and the reply is the request's latency (``bench ring``'s idle rows).
 
+What the thread spends its time on is counted where it is dispatched (:class:`BusyTime`): every
+op's handler, every posted event, every due timer, by name -- wall time (being descheduled
+counts: on a shared core that is time no other request is served), one clock read before and
+after each, never per block.  The names are the code's (an op routed to a handler, a function's
+qualified name), a bounded set: what the ``stats`` op, Prometheus and a benchmark read to say
+which work holds the thread.
+
 The loop is transport and dispatch only: the built-in ops (attach, detach, ping,
 stats) and the stats publishing are ``kvsidecar.sidecar.runtime.builtins``, mounted
 like any service; every completion is built by ``protocol.ok_completion`` (written out in
@@ -56,6 +63,34 @@ MAX_IDLE_SLEEP_S = 30.0  # bound on any sleep, even with no timers at all
 EXHAUSTION_LOG_EVERY_S = 10.0  # at most one "slots exhausted" line per this (the counter is exact)
 
 
+class BusyTime:
+    """The control thread's time by what it ran: ``name -> [count, seconds, max seconds]``.
+    Names are ``op:<op>``, ``event:<qualified name>`` and ``timer:<qualified name>`` (see the
+    module docstring).  Control thread only."""
+
+    __slots__ = ("by_name",)
+
+    def __init__(self):
+        self.by_name: dict[str, list] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        b = self.by_name.get(name)
+        if b is None:
+            self.by_name[name] = [1, seconds, seconds]
+            return
+        b[0] += 1
+        b[1] += seconds
+        if seconds > b[2]:
+            b[2] = seconds
+
+    def snapshot(self) -> dict:
+        return {k: tuple(v) for k, v in self.by_name.items()}
+
+    @staticmethod
+    def name_of(kind: str, fn) -> str:
+        return f"{kind}:{getattr(fn, '__qualname__', None) or type(fn).__name__}"
+
+
 class ControlLoop:
     """Control loop over one control segment.  Services are mounted once (:meth:`mount`) and see
     it only as a :class:`~kvsidecar.sidecar.service.Host`; the process around it is
@@ -80,6 +115,7 @@ class ControlLoop:
         self.services: list[Service] = []
         self.counters: collections.Counter = collections.Counter()  # free-form: the loop's and services'
         self.op_counts: collections.Counter = collections.Counter()  # op name -> dispatched
+        self.busy = BusyTime()  # the thread's time by op, event and timer
         self.error_counts: collections.Counter = collections.Counter()  # ErrorCode -> error completions
         self.rings_corrupted = 0
         self.requests = 0  # every frame received (``counters["requests"]`` in the snapshot)
@@ -218,19 +254,23 @@ class ControlLoop:
             worked = True
         while self._events:
             fn, args = self._events.popleft()
+            t0 = time.perf_counter()
             try:
                 fn(*args)
             except Exception:  # a worker event must never kill the control thread
                 log.exception("event %r failed", fn)
+            self.busy.add(BusyTime.name_of("event", fn), time.perf_counter() - t0)
             worked = True
         if self._timers:
             now = time.monotonic()
             while self._timers and self._timers[0][0] <= now:
                 _, _, fn, args = heapq.heappop(self._timers)
+                t0 = time.perf_counter()
                 try:
                     fn(*args)
                 except Exception:
                     log.exception("timer %r failed", fn)
+                self.busy.add(BusyTime.name_of("timer", fn), time.perf_counter() - t0)
                 worked = True
         return worked
 
@@ -382,6 +422,7 @@ class ControlLoop:
         if handler is None:
             return self._refuse(conn, msg["id"], op)
         self.op_counts[op] += 1
+        t0 = time.perf_counter()
         try:
             result = handler(conn, msg)
         except OpError as exc:
@@ -391,6 +432,8 @@ class ControlLoop:
         except Exception as exc:  # a bug in a handler answers INTERNAL; the loop survives
             log.exception("op %s failed", op)
             return self._error(conn, msg["id"], ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.busy.add("op:" + op, time.perf_counter() - t0)
         if result is DEFERRED:
             return None
         result["id"] = msg["id"]  # protocol.ok_completion, written out: this is the request's path
@@ -455,7 +498,7 @@ class ControlLoop:
                 outbox=len(conn.outbox), detaching=conn.detaching, submit_depth=conn.submit.depth(),
                 completion_depth=conn.completion.depth(), connected_s=now - conn.created))
         loop = LoopSnapshot(instance=self.cfg.instance, generation=self.ctl.generation, pid=os.getpid(),
-                            clients=tuple(clients), ops=dict(self.op_counts),
+                            clients=tuple(clients), ops=dict(self.op_counts), busy=self.busy.snapshot(),
                             counters={**self.counters, "requests": self.requests},
                             errors=dict(self.error_counts), rings_corrupted=self.rings_corrupted)
         return SidecarSnapshot.of(loop, (svc.snapshot() for svc in self.services))

@@ -121,6 +121,15 @@ def test_series_follow_leases_sessions_errors_and_clients(sidecar_factory, insta
     assert value(m, "kvsidecar_clients_attached") == 1
     assert total(m, "kvsidecar_l3_errors_total") == 0
     assert value(m, "kvsidecar_scrape_stale") == 0
+    # the control thread's time: every op run once per call (the refused release too), the
+    # session's landed read as a posted event, each with seconds beside its count
+    assert value(m, "kvsidecar_control_busy_runs_total", work="op:release") == 2
+    assert value(m, "kvsidecar_control_busy_runs_total", work="op:get") == 1
+    assert value(m, "kvsidecar_control_busy_runs_total", work="op:prefetch") == 1
+    assert value(m, "kvsidecar_control_busy_runs_total", work="event:SessionManager._chunk_done") == 1
+    assert value(m, "kvsidecar_control_busy_seconds_total", work="op:get") > 0
+    assert all(k[1][0][1].split(":", 1)[0] in ("op", "event", "timer")
+               for k in m if k[0] == "kvsidecar_control_busy_seconds_total")
     # the slot is freed once the detach ack is consumed
     wait_until(lambda: value(scrape(port), "kvsidecar_clients_attached"), 10, "the detached client uncounted",
                until=lambda n: n == 0)

@@ -59,6 +59,30 @@ def test_eight_clients_concurrently_with_checksums(sidecar, instance, spawn_ctx)
         assert len(s["clients"]) == 1  # the 8 workers detached and were freed
 
 
+def test_every_dispatched_op_is_timed_once_under_its_name(sidecar, instance):
+    """The control thread's time (``busy``) counts every op a handler ran exactly once, and nothing
+    it did not run; posted events and timers appear under their function's name (an op whose
+    handler answered an error: ``test_metrics``)."""
+    t0 = time.monotonic()
+    with SidecarClient(instance, group="g", rank=0, group_size=1) as c:
+        for _ in range(25):
+            c.call("ping", payload=b"x")
+        stats(c)
+        s = stats(c)
+    ops = {k[len("op_"):]: v for k, v in s["counters"].items() if k.startswith("op_")}
+    busy = s["busy"]
+    timed = {k[len("op:"):]: v["n"] for k, v in busy.items() if k.startswith("op:")}
+    assert ops["ping"] == 25 and timed["ping"] == 25 and timed["stats"] == 1 and ops["stats"] == 2
+    # every op dispatched before this stats call was timed once; this call is timed after it answers
+    assert timed == {op: n - (op == "stats") for op, n in ops.items() if n - (op == "stats")}, (timed, ops)
+    assert all(k.split(":", 1)[0] in ("op", "event", "timer") for k in busy), busy
+    assert any(k.startswith("timer:") for k in busy)  # (the start-up announcement, at least)
+    assert all(v["ms"] >= v["max_ms"] >= 0 for v in busy.values())
+    # (wall time: what ran for this client fits in the time it was attached)
+    assert busy["op:ping"]["ms"] + busy["op:stats"]["ms"] <= (time.monotonic() - t0) * 1e3
+    assert list(busy) == sorted(busy, key=lambda k: -busy[k]["ms"])  # the busiest first
+
+
 def test_kill9_client_mid_stream_is_reclaimed(sidecar, instance, spawn_ctx, timing):
     survivor = SidecarClient(instance, group="survivor")
     survivor.attach()

@@ -62,8 +62,18 @@ def test_the_stats_op_keeps_its_wire_names_for_enum_keyed_counters():
                                 "errors": 2, "outbox": 0, "detaching": False}]
     assert wire["pool"]["free"] == 64 and wire["pool"]["blocks"] == 64
     assert wire["leases"] == {"live": 0, "oldest_age_s": 0.0}
-    assert set(wire) == {"instance", "generation", "pid", "clients", "counters", "pool", "leases", "store",
+    assert set(wire) == {"instance", "generation", "pid", "clients", "counters", "busy", "pool", "leases", "store",
                          "decisions"}
+    assert wire["busy"] == {}
+
+
+def test_the_control_threads_time_goes_on_the_wire_busiest_first_in_ms():
+    busy = {"op:ping": (5, 0.0005, 0.0002), "event:SessionManager._chunk_done": (2, 0.004, 0.003),
+            "timer:SessionWaits._expired": (1, 0.001, 0.001)}
+    wire = SidecarSnapshot.of(_loop(busy=busy), [_core().snapshot()]).stats()
+    assert list(wire["busy"]) == ["event:SessionManager._chunk_done", "timer:SessionWaits._expired", "op:ping"]
+    assert wire["busy"]["op:ping"] == {"n": 5, "ms": 0.5, "max_ms": 0.2}
+    assert wire["busy"]["event:SessionManager._chunk_done"] == {"n": 2, "ms": 4.0, "max_ms": 3.0}
 
 
 def test_tables_and_metrics_render_the_same_snapshot():
